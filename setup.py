@@ -1,0 +1,30 @@
+"""Builds the C paged-attention kernel (kernels/csrc) as nanoserve.kernels._C at install time.
+
+-march=native tunes the kernel for the building machine (right for `pip install -e .`); set
+NANOSERVE_MARCH (e.g. x86-64-v3) to build a module that runs on other machines.
+"""
+
+import os
+
+from setuptools import Extension, setup
+
+MARCH = os.environ.get("NANOSERVE_MARCH", "native")
+
+setup(
+    ext_modules=[
+        Extension(
+            "nanoserve.kernels._C",
+            sources=["kernels/csrc/paged_attention.c"],
+            # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.
+            extra_compile_args=[
+                "-O3",
+                f"-march={MARCH}",
+                "-fopenmp",
+                "-std=c11",
+                "-ffp-contract=fast",
+            ],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        )
+    ]
+)

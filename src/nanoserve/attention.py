@@ -1,0 +1,107 @@
+"""Attention over the paged KV cache.
+
+A forward step packs decode tokens (one per sequence) first, then prefill chunks. New keys and
+values are written to their cache slots; decode attention goes through the paged kernel API
+(`nanoserve.kernels`), prefill attention through torch SDPA over the sequence's gathered blocks.
+Owns nothing: `AttentionMetadata` is built fresh by the engine for every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import paged_attention_decode, store_kv
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's new tokens in a step: rows [start, start + length) of the packed batch."""
+
+    start: int
+    length: int
+    context_len: int  # tokens attended to by the chunk's last token (cached + new)
+    block_table: torch.Tensor  # [num_blocks] int32, the sequence's blocks
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    num_decode: int  # the first num_decode tokens are single-token decodes
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int32, zero padded
+    decode_context_lens: torch.Tensor  # [num_decode] int32
+    prefills: tuple[PrefillChunk, ...]
+    backend: str = "auto"
+
+
+def attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=_store_backend(meta.backend))
+    out = torch.empty_like(q)
+    n = meta.num_decode
+    if n:
+        paged_attention_decode(
+            q[:n],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            out=out[:n],
+            backend=meta.backend,
+        )
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+    return out
+
+
+def _store_backend(backend: str) -> str:
+    return backend if backend in ("auto", "torch") else "auto"
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+) -> torch.Tensor:
+    cached = chunk.context_len - chunk.length
+    if cached == 0:
+        # Nothing before this chunk: attend to the fresh keys directly, no gather.
+        keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
+    else:
+        keys = _gather(k_cache, chunk)
+        values = _gather(v_cache, chunk)
+        rows = torch.arange(chunk.length).unsqueeze(1) + cached
+        mask = torch.arange(chunk.context_len).unsqueeze(0) <= rows  # [length, context_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [num_heads, length, head_dim]
+        keys,  # [num_kv_heads, context_len, head_dim]
+        values,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+    """A sequence's first context_len cached rows as [num_kv_heads, context_len, head_dim]."""
+    num_blocks = -(-chunk.context_len // cache.shape[2])
+    blocks = cache[chunk.block_table[:num_blocks].long()]  # [n, kv_heads, block_size, head_dim]
+    rows = blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])
+    return rows[:, : chunk.context_len]

@@ -1,0 +1,319 @@
+"""The engine: `add_request`, `abort`, `step`. Each step schedules a batch, runs one forward over
+the packed tokens, samples, detokenizes and checks stop conditions. Single-threaded and lock-free:
+whoever owns an Engine calls it from one place at a time (the offline loop, or the serving task).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from nanoserve.attention import AttentionMetadata, PrefillChunk
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.kv_cache import BlockAllocator, allocate_cache, block_bytes
+from nanoserve.loader import load_weights
+from nanoserve.model.llama import Llama
+from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.request import Request, Status
+from nanoserve.sampling import SampleRow, SamplingParams, mix_seed, sample
+from nanoserve.scheduler import ScheduledRequest, Scheduler
+from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot take; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class SchedulerStalled(RuntimeError):
+    """Requests are waiting but none can be scheduled: the engine would spin forever."""
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        dtype = config.torch_dtype
+        per_block = block_bytes(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype
+        )
+        self.num_blocks = config.num_kv_blocks or int(
+            config.kv_cache_memory_gb * 2**30 // per_block
+        )
+        pool_tokens = self.num_blocks * config.block_size
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, pool_tokens)
+        self.model = Llama(mc, load_weights(model_dir, dtype), self.max_model_len)
+        self.kv_caches = allocate_cache(
+            mc.num_layers,
+            self.num_blocks,
+            mc.num_kv_heads,
+            config.block_size,
+            mc.head_dim,
+            dtype,
+            config.device,
+        )
+        self.allocator = BlockAllocator(
+            self.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.watermark,
+        )
+        self.groups: dict[str, list[Request]] = {}
+        self._seeds = random.Random(0)
+        self.num_generated_tokens = 0
+        self.num_computed_tokens = 0  # all positions run through the model, recomputes too
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Queue a request; raises RequestRejected (naming the field) if it could never run."""
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self._check(token_ids, params)
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        group = []
+        for index in range(params.n):
+            seed = base_seed if index == 0 else mix_seed(base_seed, -index)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens, params.stop
+            )
+            rid = request_id if params.n == 1 else f"{request_id}-{index}"
+            group.append(
+                Request(rid, request_id, index, token_ids, params, seed, max_tokens, detokenizer)
+            )
+        self.groups[request_id] = group
+        for request in group:
+            self.scheduler.add(request)
+
+    def _check(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Refuse what could never run, with the numbers; returns the effective max_tokens."""
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise RequestRejected("prompt is empty", "prompt")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestRejected(
+                f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
+            )
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise RequestRejected(
+                f"prompt has {n} tokens; this model's context is {limit} tokens "
+                "(max_model_len), which leaves no room to generate",
+                "prompt",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise RequestRejected(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens, more "
+                f"than the context of {limit} tokens (max_model_len)",
+                "max_tokens",
+            )
+        bs = self.config.block_size
+        needed = -(-(n + max_tokens) // bs)
+        if needed > self.num_blocks:
+            raise RequestRejected(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "
+                f"{bs} tokens; the whole pool has {self.num_blocks}",
+                "max_tokens",
+            )
+        return max_tokens
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is (waiting or running) and free its blocks."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        for request in group:
+            if not request.is_finished:
+                self.scheduler.remove(request)
+                request.finish("abort")
+        return self._output(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one forward for the scheduled batch; outputs of every request that moved."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise SchedulerStalled(
+                    f"{len(self.scheduler.waiting)} requests wait, none can be scheduled "
+                    f"({self.allocator.num_free} of {self.num_blocks} KV blocks free)"
+                )
+            return []
+        batch.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first, then prefills
+        logits = self._forward(batch)
+        self.scheduler.after_step(batch)
+        ready = [
+            item.request
+            for item in batch
+            if item.request.num_computed_tokens == item.request.num_tokens
+        ]
+        samples = sample(logits, [self._sample_row(r) for r in ready])
+        now = time.monotonic()
+        touched: dict[str, list[Request]] = {}
+        for request, s in zip(ready, samples, strict=True):
+            self._append(request, s.token_id, now)
+            if s.logprobs is not None:
+                request.logprobs.append(s.logprobs)
+            touched[request.group_id] = self.groups[request.group_id]
+        for item in batch:
+            self.num_computed_tokens += item.num_new_tokens
+            if item.request.is_finished:
+                self.scheduler.remove(item.request)
+        outputs = [self._output(group) for group in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self.groups[out.request_id]
+        return outputs
+
+    def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
+        bs = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        prefills: list[PrefillChunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for item in batch:
+            r, start, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
+            row = len(input_ids)
+            input_ids += r.token_ids[start : start + n]
+            positions += range(start, start + n)
+            slots += [r.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if start + n == r.num_tokens:
+                logits_rows.append(row + n - 1)
+            if n == 1:
+                decode_tables.append(r.block_table)
+                decode_lens.append(start + 1)
+            else:
+                table = torch.tensor(r.block_table, dtype=torch.int32)
+                prefills.append(PrefillChunk(row, n, start + n, table))
+        width = max((len(t) for t in decode_tables), default=0)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decode=len(decode_tables),
+            decode_block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32
+            ).reshape(len(decode_tables), width),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32),
+            prefills=tuple(prefills),
+            backend=self.config.attention_backend,
+        )
+        return self.model.forward(
+            torch.tensor(input_ids),
+            torch.tensor(positions),
+            self.kv_caches,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.long),
+        )
+
+    def _sample_row(self, request: Request) -> SampleRow:
+        p = request.params
+        banned: list[int] = []
+        if request.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        return SampleRow(
+            p,
+            request.seed,
+            request.num_output_tokens,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            banned,
+        )
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        p = request.params
+        request.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if token in p.stop_token_ids:
+            request.finish("stop", token)
+        elif token in self.eos_token_ids and not p.ignore_eos:
+            request.finish("stop")
+        else:
+            check_stop = request.num_output_tokens >= p.min_tokens
+            stop = request.detokenizer.append(token, check_stop)
+            if stop is not None:
+                request.finish("stop", stop)
+        if request.is_finished:
+            return
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.finish("length")
+
+    def _output(self, group: list[Request]) -> RequestOutput:
+        first = group[0]
+        return RequestOutput(
+            request_id=first.group_id,
+            prompt_token_ids=tuple(first.prompt_token_ids),
+            outputs=tuple(_completion(r) for r in group),
+            finished=all(r.is_finished for r in group),
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=first.arrival_time,
+                first_scheduled_time=first.first_scheduled_time,
+                first_token_time=min(
+                    (r.first_token_time for r in group if r.first_token_time), default=None
+                ),
+                finished_time=max(r.finished_time for r in group if r.finished_time)
+                if all(r.is_finished for r in group)
+                else None,
+                num_preemptions=sum(r.num_preemptions for r in group),
+            ),
+        )
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def audit(self) -> None:
+        """Raise if the block ledger disagrees with the live requests' block tables."""
+        live = [r for group in self.groups.values() for r in group if r.status is Status.RUNNING]
+        self.allocator.audit(r.block_table for r in live)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+
+def _completion(request: Request) -> CompletionOutput:
+    detok = request.detokenizer
+    return CompletionOutput(
+        index=request.index,
+        text=detok.text if request.is_finished else detok.visible_text(),
+        token_ids=tuple(request.output_token_ids),
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        logprobs=tuple(request.logprobs) if request.params.logprobs is not None else None,
+    )

@@ -1,0 +1,126 @@
+"""The Llama forward pass (Llama 3.x: RMSNorm, RoPE with llama3 scaling, GQA, SwiGLU) over packed
+tokens of many sequences and the paged KV cache. Owns the weights; q/k/v and gate/up projections
+are fused at load time so each layer does four matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.attention import AttentionMetadata, attention
+from nanoserve.config import ModelConfig, RopeConfig
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class Llama:
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int
+    ) -> None:
+        self.config = config
+        self.embed = weights["model.embed_tokens.weight"]
+        self.norm = weights["model.norm.weight"]
+        lm_head = weights.get("lm_head.weight")
+        if lm_head is None and not config.tie_word_embeddings:
+            raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        self.lm_head = self.embed if lm_head is None else lm_head
+        self.layers = [_layer(weights, i) for i in range(config.num_layers)]
+        cos, sin = rope_cos_sin(config.rope, config.head_dim, max_positions)
+        self.cos, self.sin = cos.to(self.embed.dtype), sin.to(self.embed.dtype)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # rows whose next-token logits are needed
+    ) -> torch.Tensor:
+        c = self.config
+        h = self.embed[input_ids]  # [num_tokens, hidden]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.reshape(-1, c.num_kv_heads, c.head_dim).contiguous()
+            a = attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(a.view(-1, q_size), layer.o)
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()  # [len(logits_indices), vocab]
+
+
+def _layer(weights: dict[str, torch.Tensor], i: int) -> Layer:
+    p = f"model.layers.{i}."
+
+    def w(name: str) -> torch.Tensor:
+        return weights[p + name]
+
+    return Layer(
+        input_norm=w("input_layernorm.weight"),
+        qkv=torch.cat([w(f"self_attn.{n}_proj.weight") for n in "qkv"]),
+        o=w("self_attn.o_proj.weight"),
+        post_norm=w("post_attention_layernorm.weight"),
+        gate_up=torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
+        down=w("mlp.down_proj.weight"),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # In float32 then back, as the reference implementation does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    # blend between the two bands.
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    rope: RopeConfig, head_dim: int, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rope_inv_freq(rope, head_dim)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+    return emb.cos(), emb.sin()

@@ -1,0 +1,40 @@
+"""What the engine reports about a request: immutable snapshots, safe to hand to another thread or
+task while the engine moves on. Shaped like vLLM's `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.sampling import Logprob
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    index: int
+    text: (
+        str  # finished: the whole text; running: what is safe to show (see IncrementalDetokenizer)
+    )
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    stop_reason: str | int | None = None
+    logprobs: tuple[dict[int, Logprob], ...] | None = None
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics

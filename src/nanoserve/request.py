@@ -1,0 +1,80 @@
+"""One sequence being generated: its tokens, its place in the cache, and how it ends.
+
+A request with `n` > 1 is `n` of these sharing a `group_id`; each is scheduled on its own and the
+later ones find the first one's prompt blocks in the prefix cache. Owned by the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from nanoserve.sampling import Logprob, SamplingParams
+from nanoserve.tokenizer import IncrementalDetokenizer
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    group_id: str
+    index: int  # which of the group's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer
+    status: Status = Status.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt, then output
+    num_computed_tokens: int = 0  # tokens whose keys and values are in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of full blocks
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
+    high_water: int = 0  # most tokens ever in the cache at once (preemption drops them)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finished_time = time.monotonic()

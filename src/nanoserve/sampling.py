@@ -1,0 +1,210 @@
+"""Sampling: `SamplingParams` (validated, every error names its field) and `sample`, which turns
+one step's logits into one token per row.
+
+A row's token depends only on its own logits, parameters, seed and output position: random draws
+come from a generator seeded with (seed, position), so a request samples the same tokens alone,
+in any batch, and after being preempted and recomputed. Owns nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives besides the chosen token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        mt = self.max_tokens
+        checks = [
+            ("n", _int(self.n) and self.n >= 1, "an integer >= 1"),
+            ("temperature", _num(self.temperature) and self.temperature >= 0, "a number >= 0"),
+            ("top_p", _num(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", _int(self.top_k) and self.top_k >= -1, "-1 or 0 (off), or an integer > 0"),
+            ("min_p", _num(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("presence_penalty", _in(self.presence_penalty, -2, 2), "in [-2, 2]"),
+            ("frequency_penalty", _in(self.frequency_penalty, -2, 2), "in [-2, 2]"),
+            (
+                "repetition_penalty",
+                _in(self.repetition_penalty, 0, 10) and self.repetition_penalty > 0,
+                "in (0, 10]",
+            ),
+            ("seed", self.seed is None or _int(self.seed), "an integer"),
+            ("max_tokens", mt is None or (_int(mt) and mt >= 1), "an integer >= 1"),
+            (
+                "min_tokens",
+                _int(self.min_tokens) and 0 <= self.min_tokens <= (mt or self.min_tokens),
+                "an integer >= 0 and <= max_tokens",
+            ),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("stop_token_ids", all(_int(t) and t >= 0 for t in self.stop_token_ids), "token ids"),
+            (
+                "logprobs",
+                self.logprobs is None or _in(self.logprobs, 0, 20) and _int(self.logprobs),
+                "an integer in [0, 20]",
+            ),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _in(x: object, low: float, high: float) -> bool:
+    return _num(x) and low <= x <= high  # type: ignore[operator]
+
+
+def _num(x: object) -> bool:
+    return _int(x) or (isinstance(x, float) and x == x and abs(x) != float("inf"))
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 for the most likely token
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs to know about one row of the logits."""
+
+    params: SamplingParams
+    seed: int
+    position: int  # index of the token being sampled within the output
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    banned_ids: Sequence[int] = ()  # e.g. EOS while min_tokens is not reached
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_id: int
+    logprobs: dict[int, Logprob] | None  # chosen token and the top N, when asked for
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
+    """One token per row of `logits` [len(rows), vocab] (float32)."""
+    raw = logits
+    logits = _apply_penalties_and_bans(logits, rows)
+    tokens = torch.empty(len(rows), dtype=torch.long)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
+        for j, i in enumerate(sampled):
+            noise = torch.empty_like(probs[j]).exponential_(generator=_generator(rows[i]))
+            tokens[i] = (probs[j] / noise).argmax()
+    token_list = tokens.tolist()
+    return [
+        Sample(
+            t, _logprobs(raw[i], t, r.params.logprobs) if r.params.logprobs is not None else None
+        )
+        for i, (t, r) in enumerate(zip(token_list, rows, strict=True))
+    ]
+
+
+def _apply_penalties_and_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    touched = [i for i, r in enumerate(rows) if r.params.penalized or r.banned_ids]
+    if not touched:
+        return logits
+    logits = logits.clone()
+    for i in touched:
+        r, row = rows[i], logits[i]
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+            values = row[seen]
+            row[seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
+            counts = torch.bincount(torch.tensor(r.output_ids), minlength=row.shape[0])
+            row -= p.frequency_penalty * counts[: row.shape[0]]
+            row -= p.presence_penalty * (counts[: row.shape[0]] > 0)
+        if r.banned_ids:
+            row[list(r.banned_ids)] = float("-inf")
+    return logits
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, as probabilities (filtered entries are 0)."""
+    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    probs = torch.softmax(logits / temps, dim=-1)
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
+    top_p = torch.tensor([p.top_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params])
+    if bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab).unsqueeze(0)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (rank >= top_k.unsqueeze(1)) | (mass_before >= top_p.unsqueeze(1))
+        drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
+        drop[:, 0] = False  # the most likely token always survives
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs
+
+
+def _generator(row: SampleRow) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(mix_seed(row.seed, row.position))
+    return g
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for draw `index` of a stream seeded with `seed` (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK64
+
+
+def _logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = float(logprobs[token])
+    result = {token: Logprob(chosen, int((logprobs > chosen).sum()) + 1)}
+    if top_n:
+        values, ids = logprobs.topk(top_n)
+        for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
+            result.setdefault(t, Logprob(v, rank))
+    return result

@@ -1,0 +1,188 @@
+"""Continuous batching: which requests run in the next step, and with how many new tokens.
+
+Owns the waiting queue (first come, first served; preempted requests go back to its front) and the
+running list (in admission order). Each step the running requests are served first, then waiting
+ones are admitted while the token budget, the sequence budget and the free blocks (above a
+watermark) allow. A running request that cannot get its next block preempts the most recently
+admitted one, whose blocks are freed and whose tokens are recomputed when it is admitted again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanoserve.kv_cache import BlockAllocator
+from nanoserve.request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption
+    num_prefix_hit_tokens: int = 0
+    peak_running: int = 0
+
+
+@dataclass
+class Scheduler:
+    allocator: BlockAllocator
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.allocator.num_blocks)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(
+                request.num_tokens - request.num_computed_tokens, budget, scheduled
+            )
+            if num_new == 0:
+                i += 1
+                continue
+            while not self._can_grow(request, num_new):
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                self._grow(request, num_new)
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        return scheduled
+
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        prefilling = {r.group_id for r in self.running if r.in_prefill}
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            # At least one token is always computed: it yields the logits of the next one.
+            blocks, hashes = self.allocator.lookup(request.token_ids, request.num_tokens - 1)
+            num_cached = len(blocks) * self.allocator.block_size
+            if request.group_id in prefilling and num_cached < self._shareable_prompt_tokens(
+                request
+            ):
+                break  # a sibling is computing the shared prompt: wait, then reuse its blocks
+            num_new = self._chunk(request.num_tokens - num_cached, budget, scheduled)
+            if num_new == 0 or not self._can_admit(blocks, num_cached + num_new):
+                break
+            self.waiting.popleft()
+            self._start(request, blocks, hashes, num_cached)
+            self._grow(request, num_new)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            if request.in_prefill:
+                prefilling.add(request.group_id)
+        return budget
+
+    def _shareable_prompt_tokens(self, request: Request) -> int:
+        bs = self.allocator.block_size
+        return (request.num_prompt_tokens - 1) // bs * bs
+
+    def _chunk(self, wanted: int, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """How many of `wanted` tokens fit this step. Without chunked prefill a long prompt waits
+        for a step of its own, and then runs whole even past the budget."""
+        if self.enable_chunked_prefill:
+            return min(wanted, budget)
+        if wanted <= budget or not scheduled:
+            return wanted
+        return 0
+
+    def _blocks_needed(self, request: Request, num_new: int) -> int:
+        total = request.num_computed_tokens + num_new
+        return max(0, -(-total // self.allocator.block_size) - len(request.block_table))
+
+    def _can_grow(self, request: Request, num_new: int) -> bool:
+        return self._blocks_needed(request, num_new) <= self.allocator.num_free
+
+    def _can_admit(self, cached_blocks: list[int], num_tokens: int) -> bool:
+        bs = self.allocator.block_size
+        new_blocks = -(-num_tokens // bs) - len(cached_blocks)
+        # Cached blocks nobody holds sit on the free list: taking them uses free blocks too.
+        revived = sum(1 for b in cached_blocks if self.allocator.ref_counts[b] == 0)
+        reserve = self.watermark_blocks if self.running else 0
+        return new_blocks + revived + reserve <= self.allocator.num_free
+
+    def _start(self, request: Request, blocks: list[int], hashes: list[int], cached: int) -> None:
+        for block in blocks:
+            self.allocator.share(block)
+        request.block_table = list(blocks)
+        request.block_hashes = list(hashes)
+        request.num_computed_tokens = cached
+        request.status = Status.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = cached
+        self.stats.num_prefix_hit_tokens += cached
+        self.running.append(request)
+
+    def _grow(self, request: Request, num_new: int) -> None:
+        for _ in range(self._blocks_needed(request, num_new)):
+            request.block_table.append(self.allocator.allocate())
+        # Positions below the high-water mark were computed once already, before a preemption.
+        redo = min(request.num_computed_tokens + num_new, request.high_water)
+        self.stats.num_recomputed_tokens += max(0, redo - request.num_computed_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.allocator.release(request.block_table)
+        request.block_table = []
+        request.high_water = max(request.high_water, request.num_computed_tokens)
+        request.num_computed_tokens = 0
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def after_step(self, batch: list[ScheduledRequest]) -> None:
+        """Account the computed tokens and publish newly filled blocks to the prefix cache."""
+        bs = self.allocator.block_size
+        for item in batch:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            for j in range(len(request.block_hashes), request.num_computed_tokens // bs):
+                prev = request.block_hashes[-1] if request.block_hashes else None
+                tokens = request.token_ids[j * bs : (j + 1) * bs]
+                request.block_hashes.append(
+                    self.allocator.register(request.block_table[j], prev, tokens)
+                )
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queues and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.allocator.release(request.block_table)
+        request.block_table = []
+
+    def block_tables(self) -> list[list[int]]:
+        return [r.block_table for r in self.running]

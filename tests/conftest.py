@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random Llama checkpoints written once per test session."""
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nanoserve.demo import write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`factory(**write_checkpoint_kwargs) -> Path`; the same kwargs give the same directory."""
+    cache: dict[str, Path] = {}
+
+    def factory(**kwargs: Any) -> Path:
+        key = repr(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = write_checkpoint(tmp_path_factory.mktemp("tiny_model"), **kwargs)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    """The default tiny config (hidden 64, 2 layers, llama3 RoPE), float32."""
+    return tiny_model_factory()

@@ -1,0 +1,139 @@
+"""Each sampling parameter changes the output the way it should; bad values are refused by name."""
+
+import math
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.sampling import SampleRow, sample
+
+PROMPT = {"prompt_token_ids": [5, 17, 300, 42, 9, 250, 77]}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir))
+
+
+def _tokens(llm, **params):
+    params.setdefault("max_tokens", 16)
+    params.setdefault("ignore_eos", True)
+    out = llm.generate([PROMPT], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    llm.engine.audit()
+    return out
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = _tokens(llm, temperature=0).token_ids
+    assert _tokens(llm, temperature=1.5, top_k=1, seed=3).token_ids == greedy
+
+
+def test_tiny_top_p_and_full_min_p_equal_greedy(llm):
+    greedy = _tokens(llm, temperature=0).token_ids
+    assert _tokens(llm, temperature=1.0, top_p=1e-6, seed=4).token_ids == greedy
+    assert _tokens(llm, temperature=1.0, min_p=1.0, seed=4).token_ids == greedy
+
+
+def test_same_seed_same_text_other_seed_other_text(llm):
+    a = _tokens(llm, temperature=1.0, seed=11)
+    b = _tokens(llm, temperature=1.0, seed=11)
+    c = _tokens(llm, temperature=1.0, seed=12)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_string_cuts_exactly(llm):
+    full = _tokens(llm, temperature=0, max_tokens=24)
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]  # usually spans tokens; the text before it is what must come back
+    out = _tokens(llm, temperature=0, max_tokens=24, stop=[stop])
+    assert out.text == text[: text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    full = _tokens(llm, temperature=0, max_tokens=16).token_ids
+    target = full[4]
+    out = _tokens(llm, temperature=0, stop_token_ids=[target])
+    first = full.index(target)
+    assert out.token_ids == full[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    late = _tokens(llm, temperature=0, stop_token_ids=[target], min_tokens=first + 2)
+    assert target not in late.token_ids[: first + 2]
+    assert len(late.token_ids) >= first + 2
+
+
+def test_max_tokens_finishes_with_length(llm):
+    out = _tokens(llm, temperature=0, max_tokens=5)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir))
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    row = SampleRow(SamplingParams(temperature=0), 0, 0, [1], [], banned_ids=[])
+    logits = torch.zeros(1, llm.engine.model_config.vocab_size)
+    logits[0, eos] = 10.0
+    assert sample(logits, [row])[0].token_id == eos
+    banned = SampleRow(SamplingParams(temperature=0), 0, 0, [1], [], banned_ids=[eos])
+    assert sample(logits, [banned])[0].token_id != eos
+
+
+def test_penalties_push_away_from_repeats():
+    vocab = 8
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    base = SampleRow(SamplingParams(temperature=0), 0, 1, [3], [0])
+    assert sample(logits, [base])[0].token_id == 0
+    for params in (
+        SamplingParams(temperature=0, presence_penalty=0.5),
+        SamplingParams(temperature=0, frequency_penalty=0.5),
+        SamplingParams(temperature=0, repetition_penalty=1.2),
+    ):
+        row = SampleRow(params, 0, 1, [3], [0])
+        assert sample(logits, [row])[0].token_id == 1, params
+    assert vocab == logits.shape[1]
+
+
+def test_logprobs_report_chosen_and_top_n(llm):
+    out = _tokens(llm, temperature=1.0, seed=1, logprobs=3, max_tokens=6)
+    assert len(out.logprobs) == 6
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry
+        assert len(entry) in (3, 4)
+        top = sorted((lp.rank, lp.logprob) for lp in entry.values())
+        assert top[0][0] == 1 and all(lp <= 0 for _, lp in top)
+        assert all(a[1] >= b[1] for a, b in zip(top, top[1:], strict=False))
+    assert all(math.exp(lp.logprob) <= 1 for lp in out.logprobs[0].values())
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 0),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 2.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", float("inf")),
+        ("repetition_penalty", 0.0),
+        ("seed", 1.5),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("stop", [""]),
+        ("stop_token_ids", [-3]),
+        ("logprobs", 21),
+    ],
+)
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    with pytest.raises(ValueError, match="min_tokens must be"):
+        SamplingParams(min_tokens=10, max_tokens=5)
