@@ -88,7 +88,7 @@ class Engine:
         if request_id in self.groups:
             raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self._check(token_ids, params)
+        max_tokens = self.check_request(token_ids, params)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         group = []
         for index in range(params.n):
@@ -104,8 +104,9 @@ class Engine:
         for request in group:
             self.scheduler.add(request)
 
-    def _check(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Refuse what could never run, with the numbers; returns the effective max_tokens."""
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Refuse what could never run, with the numbers; returns the effective max_tokens.
+        Reads only fixed settings, so any thread may call it."""
         vocab = self.model_config.vocab_size
         if not token_ids:
             raise RequestRejected("prompt is empty", "prompt")

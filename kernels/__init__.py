@@ -1,0 +1,24 @@
+"""Paged-attention decode kernels for nanoserve: one API, three backends (torch, C, Triton).
+
+paged_attention_decode reads the paged KV cache ([num_blocks, num_kv_heads, block_size, head_dim]);
+store_kv writes new tokens into it. backend="auto" picks Triton for CUDA tensors and the C kernel
+for CPU tensors (falling back to torch, with a warning, when the C module is not built).
+"""
+
+from .api import (
+    BACKENDS,
+    CACHE_DTYPES,
+    BackendUnavailableError,
+    available_backends,
+    paged_attention_decode,
+    store_kv,
+)
+
+__all__ = [
+    "BACKENDS",
+    "CACHE_DTYPES",
+    "BackendUnavailableError",
+    "available_backends",
+    "paged_attention_decode",
+    "store_kv",
+]

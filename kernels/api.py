@@ -1,0 +1,256 @@
+"""The public kernel API: argument checks, then dispatch to the torch, C or Triton backend.
+
+Every user-visible error is raised here (or by the C module, for table values) and names the
+argument at fault. Backends receive checked, contiguous tensors and do no checks of their own.
+"""
+
+import importlib.util
+import math
+import numbers
+import warnings
+from types import ModuleType
+
+import torch
+
+from . import c_backend, torch_ref
+
+BACKENDS = ("auto", "torch", "c", "triton")
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_Q_LAYOUT = "[num_seqs, num_q_heads, head_dim]"
+_CACHE_LAYOUT = "[num_blocks, num_kv_heads, block_size, head_dim]"
+_KV_LAYOUT = "[num_tokens, num_kv_heads, head_dim]"
+
+_warned: set[str] = set()
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here (not built, not installed, or wrong device)."""
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged KV cache; returns out.
+
+    q [num_seqs, num_q_heads, head_dim]; k_cache, v_cache [num_blocks, num_kv_heads, block_size,
+    head_dim] of q's dtype (float32, bfloat16 or float16); block_tables [num_seqs,
+    max_blocks_per_seq] int32, of which only the first ceil(context_lens[i] / block_size) entries of
+    row i are read; context_lens [num_seqs] int32, tokens attended to, the current one included.
+    backend: "auto" (triton for CUDA tensors, c for CPU tensors), "torch", "c" or "triton".
+    """
+    _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    if out is None:
+        out = torch.empty_like(q)
+    impl = _backend(backend, q.device)
+    if impl is not c_backend and q.device.type == "cpu":
+        _check_table_values(block_tables, context_lens, k_cache.shape[0], k_cache.shape[2])
+    impl.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    return out
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Writes key[i] and value[i] ([num_tokens, num_kv_heads, head_dim]) into cache slot
+    slot_mapping[i] = block * block_size + offset; a negative slot is skipped."""
+    _check_store(key, value, k_cache, v_cache, slot_mapping)
+    impl = _backend(backend, key.device)
+    if impl is not c_backend and key.device.type == "cpu" and slot_mapping.numel():
+        _check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[2])
+    impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def available_backends(device: str | torch.device = "cpu") -> list[str]:
+    """The explicit backends that can run on tensors of this device here."""
+    names = ["torch"]
+    if torch.device(device).type == "cpu" and c_backend.AVAILABLE:
+        names.append("c")
+    if _triton_runs_on(torch.device(device)):
+        names.append("triton")
+    return names
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    if device.type not in ("cpu", "cuda") or not _triton_installed():
+        return False
+    from . import triton_decode
+
+    return device.type == "cuda" or triton_decode.INTERPRETED
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _backend(backend: str, device: torch.device) -> ModuleType:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device.type == "cpu" and not c_backend.AVAILABLE:
+            _warn_once("c", c_backend.BUILD_HINT + "; using the slower torch backend")
+            return torch_ref
+        if device.type == "cuda" and not _triton_installed():
+            _warn_once("triton", "triton is not installed; using the slower torch backend")
+            return torch_ref
+        backend = {"cpu": "c", "cuda": "triton"}.get(device.type, "torch")
+    if backend == "c":
+        if device.type != "cpu":
+            raise BackendUnavailableError(f"backend='c' needs CPU tensors; they are on {device}")
+        if not c_backend.AVAILABLE:
+            raise BackendUnavailableError(c_backend.BUILD_HINT)
+        return c_backend
+    if backend == "triton":
+        if not _triton_installed():
+            raise BackendUnavailableError("backend='triton' needs triton: pip install triton==3.6.*")
+        if not _triton_runs_on(device):
+            raise BackendUnavailableError(
+                f"backend='triton' needs CUDA tensors (these are on {device}); CPU tensors run only "
+                "in Triton's interpreter: set TRITON_INTERPRET=1 before triton is first imported"
+            )
+        from . import triton_decode
+
+        return triton_decode
+    return torch_ref
+
+
+def _check_tensor(name: str, t: object, layout: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != layout.count(",") + 1:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+    return t
+
+
+def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name} dtype must be one of {names}, got {t.dtype}")
+
+
+def _check_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, but the other tensors are on {device}")
+
+
+def _check_cache(k_cache: object, v_cache: object) -> tuple[int, ...]:
+    _check_tensor("k_cache", k_cache, _CACHE_LAYOUT)
+    _check_tensor("v_cache", v_cache, _CACHE_LAYOUT)
+    _check_dtype("k_cache", k_cache, CACHE_DTYPES)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
+        )
+    for axis, size in zip(("num_kv_heads", "block_size", "head_dim"), k_cache.shape[1:], strict=True):
+        if size < 1:
+            raise ValueError(f"k_cache {axis} must be at least 1, got {size}")
+    return tuple(k_cache.shape)
+
+
+def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
+    _, num_kv_heads, _, head_dim = _check_cache(k_cache, v_cache)
+    _check_tensor("q", q, _Q_LAYOUT)
+    _check_tensor("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]")
+    _check_tensor("context_lens", context_lens, "[num_seqs]")
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    _check_dtype("block_tables", block_tables, (torch.int32,))
+    _check_dtype("context_lens", context_lens, (torch.int32,))
+    num_seqs, num_q_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim:
+        raise ValueError(f"q head_dim {q_head_dim} differs from the cache head_dim {head_dim}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q num_q_heads {num_q_heads} must be a positive multiple of num_kv_heads {num_kv_heads}"
+        )
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.shape[0] != num_seqs:
+            raise ValueError(f"{name} has {t.shape[0]} rows, q has {num_seqs} sequences")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    tensors = dict(k_cache=k_cache, v_cache=v_cache, block_tables=block_tables)
+    _check_device(q.device, **tensors, context_lens=context_lens)
+    if out is not None:
+        _check_tensor("out", out, _Q_LAYOUT)
+        if out.shape != q.shape:
+            raise ValueError(f"out shape {tuple(out.shape)} differs from q {tuple(q.shape)}")
+        if out.dtype != q.dtype:
+            raise TypeError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
+        _check_device(q.device, out=out)
+
+
+def _check_store(key, value, k_cache, v_cache, slot_mapping) -> None:
+    _, num_kv_heads, _, head_dim = _check_cache(k_cache, v_cache)
+    for name, t in (("key", key), ("value", value)):
+        _check_tensor(name, t, _KV_LAYOUT)
+        if t.dtype != k_cache.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from the cache dtype {k_cache.dtype}")
+        if tuple(t.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} does not match the cache's "
+                f"(num_kv_heads, head_dim) = {(num_kv_heads, head_dim)}"
+            )
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    _check_tensor("slot_mapping", slot_mapping, "[num_tokens]")
+    _check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots, key has {key.shape[0]}")
+    _check_device(key.device, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+
+
+def _check_table_values(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """What the C module checks in C; done here for the torch and interpreted Triton paths."""
+    capacity = block_tables.shape[1] * block_size
+    bad = (context_lens < 1) | (context_lens > capacity)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"context_lens[{i}] = {int(context_lens[i])} is outside [1, {capacity}] "
+            "(max_blocks_per_seq * block_size)"
+        )
+    starts = torch.arange(block_tables.shape[1], device=block_tables.device) * block_size
+    used = starts < context_lens[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad.any()):
+        i, j = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"block_tables[{i}, {j}] = {int(block_tables[i, j])} is outside [0, {num_blocks}) "
+            "(num_blocks)"
+        )
+
+
+def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    bad = slot_mapping >= num_slots
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside [0, {num_slots}) "
+            "(num_blocks * block_size)"
+        )

@@ -1,0 +1,78 @@
+"""The C backend: hands data pointers, sizes and a dtype code to the compiled module _C.
+
+_C is built from csrc/paged_attention.c by `pip install` (setup.py); it may be missing, and then
+AVAILABLE is False and BUILD_HINT says why and how to build it.
+"""
+
+import torch
+
+try:
+    from . import _C
+except ImportError as e:
+    _C = None
+    _IMPORT_ERROR = str(e)
+else:
+    _IMPORT_ERROR = ""
+
+AVAILABLE = _C is not None
+BUILD_HINT = (
+    f"the C kernel nanoserve.kernels._C is not built ({_IMPORT_ERROR or 'not found'}); build it "
+    "with gcc installed: `pip install -e .` from the repository root, or "
+    "`python setup.py build_ext --inplace`"
+)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    # The C module checks context_lens and the used block_tables entries before reading the cache.
+    _C.paged_attention_decode(
+        out.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        q.shape[0],
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        block_tables.shape[1],
+        float(scale),
+        DTYPE_CODES[q.dtype],
+        torch.get_num_threads(),  # one thread setting for torch and the kernel
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    _C.store_kv(
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        key.shape[0],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        key.element_size(),
+        int(slot_mapping.dtype == torch.int64),
+    )

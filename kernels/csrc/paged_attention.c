@@ -1,0 +1,365 @@
+/* Paged-attention decode and KV-cache store on the CPU: plain C11 + OpenMP, CPython C API only.
+ *
+ * Python passes data pointers, sizes and a dtype code as ints (kernels/c_backend.py); every tensor is
+ * contiguous. Cache layout: [num_blocks, num_kv_heads, block_size, head_dim]. One OpenMP work item is
+ * one (sequence, KV head): its query heads are processed together, so each key and value row is read
+ * from memory once; the softmax is online, in float32; bf16/fp16 rows are widened in registers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+static inline float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+/* Branch-free (masks, not ternaries) so that a loop over it vectorises. Subnormals go through an
+ * int->float conversion, not a denormal multiply, so a flush-denormals mode cannot zero them. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t em = h & 0x7fffu;
+    uint32_t is_sub = 0u - (uint32_t)(em < 0x0400u);
+    uint32_t is_special = 0u - (uint32_t)(em >= 0x7c00u);
+    uint32_t normal = (em << 13) + (112u << 23);
+    uint32_t special = (em << 13) | 0x7f800000u;
+    uint32_t sub = f32_to_bits((float)em * 0x1p-24f);
+    uint32_t mag = (sub & is_sub) | (special & is_special) | (normal & ~(is_sub | is_special));
+    return bits_to_f32(mag | ((uint32_t)(h & 0x8000u) << 16));
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u = f32_to_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u; /* >= 65520 rounds to inf */
+    if (a < 0x38800000u) /* below 2^-14: subnormal half, unit 2^-24, exact scaling then rint */
+        return sign | (uint16_t)lrintf(bits_to_f32(a) * 0x1p24f);
+    a -= 112u << 23; /* rebias the exponent from 127 to 15 */
+    a += 0xfffu + ((a >> 13) & 1u);
+    return sign | (uint16_t)(a >> 13);
+}
+
+/* exp(x) for x <= 0 (or -inf), about 1 ulp, written so that loops over it vectorise (libm's expf
+ * only vectorises under -ffast-math). Cody-Waite reduction x = n ln2 + r, Taylor series in r. */
+static inline float exp_nonpos(float x) {
+    const float min_x = -87.0f; /* exp(-87) ~ 1.6e-38: the smallest result with a normal 2^n */
+    float xc = x < min_x ? min_x : x;
+    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest integer */
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    float two_n = bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+    return x < min_x ? 0.0f : p * two_n;
+}
+
+/* Widen n values of dtype to float32. */
+static void load_row(float *restrict dst, const void *restrict src, Py_ssize_t n, int dtype) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else if (dtype == DTYPE_F16) {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static void store_row(void *restrict dst, const float *restrict src, Py_ssize_t n, int dtype) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else if (dtype == DTYPE_F16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static size_t dtype_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
+
+typedef struct {
+    void *out;
+    const void *q, *k, *v;
+    const int32_t *block_tables, *context_lens;
+    Py_ssize_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    Py_ssize_t max_blocks_per_seq;
+    float scale;
+    int dtype;
+} decode_args;
+
+/* Per-thread float32 scratch, sized once per call. */
+typedef struct {
+    float *q;      /* [group, head_dim], pre-scaled */
+    float *acc;    /* [group, head_dim] */
+    float *scores; /* [group, block_size] */
+    float *m, *l;  /* [group] running max and sum */
+    float *k, *v;  /* [block_size, head_dim] widened rows (bf16/fp16 only) */
+} scratch;
+
+static float *scratch_alloc(const decode_args *a, scratch *s) {
+    Py_ssize_t g = a->num_q_heads / a->num_kv_heads, d = a->head_dim, b = a->block_size;
+    size_t n = (size_t)(2 * g * d + g * b + 2 * g + 2 * b * d);
+    float *base = malloc(n * sizeof(float));
+    if (!base) return NULL;
+    s->q = base;
+    s->acc = s->q + g * d;
+    s->scores = s->acc + g * d;
+    s->m = s->scores + g * b;
+    s->l = s->m + g;
+    s->k = s->l + g;
+    s->v = s->k + b * d;
+    return base;
+}
+
+/* Scores of the group's query heads against n key rows: scores[g * block_size + t]. */
+static void block_scores(const decode_args *a, const scratch *s, const float *restrict k,
+                         Py_ssize_t n, Py_ssize_t group) {
+    Py_ssize_t d = a->head_dim;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float *restrict krow = k + t * d;
+        for (Py_ssize_t g = 0; g < group; g++) {
+            const float *restrict qrow = s->q + g * d;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (Py_ssize_t i = 0; i < d; i++) dot += qrow[i] * krow[i];
+            s->scores[g * a->block_size + t] = dot;
+        }
+    }
+}
+
+/* Online-softmax update of one query head with n scores and value rows. */
+static void block_update(const decode_args *a, const scratch *s, const float *restrict v,
+                         Py_ssize_t n, Py_ssize_t g) {
+    Py_ssize_t d = a->head_dim;
+    float *restrict sc = s->scores + g * a->block_size;
+    float *restrict acc = s->acc + g * d;
+    float block_max = sc[0];
+#pragma omp simd reduction(max : block_max)
+    for (Py_ssize_t t = 1; t < n; t++) block_max = sc[t] > block_max ? sc[t] : block_max;
+    float m_new = block_max > s->m[g] ? block_max : s->m[g];
+    float alpha = exp_nonpos(s->m[g] - m_new);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (Py_ssize_t t = 0; t < n; t++) {
+        sc[t] = exp_nonpos(sc[t] - m_new);
+        sum += sc[t];
+    }
+    s->l[g] = s->l[g] * alpha + sum;
+    s->m[g] = m_new;
+#pragma omp simd
+    for (Py_ssize_t i = 0; i < d; i++) acc[i] *= alpha;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        const float p = sc[t];
+        const float *restrict vrow = v + t * d;
+#pragma omp simd
+        for (Py_ssize_t i = 0; i < d; i++) acc[i] += p * vrow[i];
+    }
+}
+
+static void decode_one(const decode_args *a, const scratch *s, Py_ssize_t seq, Py_ssize_t kvh) {
+    const Py_ssize_t d = a->head_dim, bs = a->block_size;
+    const Py_ssize_t group = a->num_q_heads / a->num_kv_heads;
+    const size_t es = dtype_size(a->dtype);
+    const Py_ssize_t ctx = a->context_lens[seq];
+    const int32_t *table = a->block_tables + seq * a->max_blocks_per_seq;
+    const Py_ssize_t q_off = (seq * a->num_q_heads + kvh * group) * d;
+
+    for (Py_ssize_t g = 0; g < group; g++) {
+        float *qrow = s->q + g * d;
+        load_row(qrow, (const char *)a->q + (size_t)(q_off + g * d) * es, d, a->dtype);
+        for (Py_ssize_t i = 0; i < d; i++) qrow[i] *= a->scale;
+        memset(s->acc + g * d, 0, (size_t)d * sizeof(float));
+        s->m[g] = -INFINITY;
+        s->l[g] = 0.0f;
+    }
+    for (Py_ssize_t j = 0; j * bs < ctx; j++) {
+        const Py_ssize_t n = ctx - j * bs < bs ? ctx - j * bs : bs;
+        const size_t row0 = ((size_t)table[j] * (size_t)a->num_kv_heads + (size_t)kvh) * (size_t)bs;
+        const char *kb = (const char *)a->k + row0 * (size_t)d * es;
+        const char *vb = (const char *)a->v + row0 * (size_t)d * es;
+        const float *k = (const float *)kb, *v = (const float *)vb;
+        if (a->dtype != DTYPE_F32) {
+            load_row(s->k, kb, n * d, a->dtype);
+            load_row(s->v, vb, n * d, a->dtype);
+            k = s->k;
+            v = s->v;
+        }
+        block_scores(a, s, k, n, group);
+        for (Py_ssize_t g = 0; g < group; g++) block_update(a, s, v, n, g);
+    }
+    for (Py_ssize_t g = 0; g < group; g++) {
+        float *acc = s->acc + g * d;
+        const float inv = 1.0f / s->l[g];
+        for (Py_ssize_t i = 0; i < d; i++) acc[i] *= inv;
+        store_row((char *)a->out + (size_t)(q_off + g * d) * es, acc, d, a->dtype);
+    }
+}
+
+/* Runs with the GIL released; returns 0, or -1 when a thread could not allocate its scratch. */
+static int decode_all(const decode_args *a, int num_threads) {
+    const Py_ssize_t items = a->num_seqs * a->num_kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        scratch s = {0};
+        float *base = scratch_alloc(a, &s);
+        if (!base) failed = 1;
+        /* Context lengths differ between sequences: hand out items one at a time. */
+#pragma omp for schedule(dynamic, 1)
+        for (Py_ssize_t item = 0; item < items; item++) {
+            if (base) decode_one(a, &s, item / a->num_kv_heads, item % a->num_kv_heads);
+        }
+        free(base);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Rejects what would make the kernel read out of bounds; only the used table entries are read. */
+static int check_tables(const decode_args *a) {
+    const Py_ssize_t cap = a->max_blocks_per_seq * a->block_size;
+    for (Py_ssize_t seq = 0; seq < a->num_seqs; seq++) {
+        const Py_ssize_t ctx = a->context_lens[seq];
+        if (ctx < 1 || ctx > cap) {
+            PyErr_Format(PyExc_ValueError,
+                         "context_lens[%zd] = %zd is outside [1, %zd] "
+                         "(max_blocks_per_seq * block_size)",
+                         seq, ctx, cap);
+            return -1;
+        }
+        const int32_t *table = a->block_tables + seq * a->max_blocks_per_seq;
+        for (Py_ssize_t j = 0; j * a->block_size < ctx; j++) {
+            if (table[j] < 0 || table[j] >= a->num_blocks) {
+                PyErr_Format(PyExc_ValueError,
+                             "block_tables[%zd, %zd] = %d is outside [0, %zd) (num_blocks)", seq, j,
+                             (int)table[j], a->num_blocks);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+static PyObject *py_paged_attention_decode(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long out, q, k, v, tables, lens;
+    decode_args a;
+    double scale;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "KKKKKKnnnnnnndii", &out, &q, &k, &v, &tables, &lens, &a.num_seqs,
+                          &a.num_q_heads, &a.num_kv_heads, &a.head_dim, &a.block_size,
+                          &a.num_blocks, &a.max_blocks_per_seq, &scale, &a.dtype, &num_threads))
+        return NULL;
+    if (a.dtype < DTYPE_F32 || a.dtype > DTYPE_F16 || a.num_kv_heads < 1 || a.head_dim < 1 ||
+        a.block_size < 1 || a.num_q_heads % a.num_kv_heads != 0 || num_threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention_decode: inconsistent sizes or dtype code");
+        return NULL;
+    }
+    a.out = (void *)(uintptr_t)out;
+    a.q = (const void *)(uintptr_t)q;
+    a.k = (const void *)(uintptr_t)k;
+    a.v = (const void *)(uintptr_t)v;
+    a.block_tables = (const int32_t *)(uintptr_t)tables;
+    a.context_lens = (const int32_t *)(uintptr_t)lens;
+    a.scale = (float)scale;
+    if (check_tables(&a) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = decode_all(&a, num_threads);
+    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_store_kv(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long key, value, k_cache, v_cache, slots;
+    Py_ssize_t num_tokens, num_kv_heads, head_dim, block_size, num_blocks, elem_size;
+    int slots_are_int64;
+    if (!PyArg_ParseTuple(args, "KKKKKnnnnnni", &key, &value, &k_cache, &v_cache, &slots,
+                          &num_tokens, &num_kv_heads, &head_dim, &block_size, &num_blocks,
+                          &elem_size, &slots_are_int64))
+        return NULL;
+    const int64_t *s64 = (const int64_t *)(uintptr_t)slots;
+    const int32_t *s32 = (const int32_t *)(uintptr_t)slots;
+    const int64_t num_slots = (int64_t)num_blocks * block_size;
+    for (Py_ssize_t i = 0; i < num_tokens; i++) {
+        int64_t slot = slots_are_int64 ? s64[i] : s32[i];
+        if (slot >= num_slots) {
+            PyErr_Format(PyExc_ValueError,
+                         "slot_mapping[%zd] = %lld is outside [0, %lld) (num_blocks * block_size)",
+                         i, (long long)slot, (long long)num_slots);
+            return NULL;
+        }
+    }
+    const size_t row = (size_t)(head_dim * elem_size);
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < num_tokens; i++) {
+        int64_t slot = slots_are_int64 ? s64[i] : s32[i];
+        if (slot < 0) continue;
+        const size_t blk = (size_t)(slot / block_size), off = (size_t)(slot % block_size);
+        for (Py_ssize_t h = 0; h < num_kv_heads; h++) {
+            const size_t src = ((size_t)i * (size_t)num_kv_heads + (size_t)h) * row;
+            const size_t dst = ((blk * (size_t)num_kv_heads + (size_t)h) * (size_t)block_size + off) * row;
+            memcpy((char *)(uintptr_t)k_cache + dst, (const char *)(uintptr_t)key + src, row);
+            memcpy((char *)(uintptr_t)v_cache + dst, (const char *)(uintptr_t)value + src, row);
+        }
+    }
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyObject *py_openmp_max_threads(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(omp_get_max_threads());
+}
+
+static PyMethodDef methods[] = {
+    {"paged_attention_decode", py_paged_attention_decode, METH_VARARGS,
+     "paged_attention_decode(out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, "
+     "num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq, scale, "
+     "dtype_code, num_threads): pointers as ints, contiguous tensors."},
+    {"store_kv", py_store_kv, METH_VARARGS,
+     "store_kv(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, "
+     "block_size, num_blocks, elem_size, slots_are_int64): pointers as ints."},
+    {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS,
+     "omp_get_max_threads() of the OpenMP runtime this module is bound to."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_C", "Paged-attention decode and KV store, C11 + OpenMP.", -1, methods,
+    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }

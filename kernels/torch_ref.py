@@ -1,0 +1,58 @@
+"""The torch backend: the readable reference (gather the blocks, softmax in float32).
+
+Runs on any device torch supports; batched over sequences by padding to the longest context, so it
+is a fair baseline for the benchmark rather than a Python loop.
+"""
+
+import torch
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    if num_seqs == 0:
+        return
+    lens = context_lens.long()
+    max_ctx = int(lens.max())
+    num_blocks = -(-max_ctx // block_size)
+    # Entries past a sequence's own blocks are padding: point them at block 0 and mask the tokens.
+    used = torch.arange(num_blocks, device=q.device) * block_size < lens[:, None]
+    tables = torch.where(used, block_tables[:, :num_blocks].long(), 0)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        blocks = cache[tables]  # [seqs, blocks, kv_heads, block_size, head_dim]
+        rows = blocks.transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, head_dim)
+        return rows[:, :, :max_ctx].float()  # [seqs, kv_heads, max_ctx, head_dim]
+
+    k, v = gather(k_cache), gather(v_cache)
+    group = num_q_heads // num_kv_heads
+    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = (qf @ k.transpose(-1, -2)) * scale  # [seqs, kv_heads, group, max_ctx]
+    padding = torch.arange(max_ctx, device=q.device) >= lens[:, None]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out.copy_((probs @ v).view(num_seqs, num_q_heads, head_dim))
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    # Advanced indices around a slice: the indexed view is [tokens, kv_heads, head_dim], like key.
+    k_cache[blocks, :, offsets] = key[keep]
+    v_cache[blocks, :, offsets] = value[keep]

@@ -1,0 +1,83 @@
+"""Prometheus metrics, named as vLLM names them with the `nanoserve:` prefix. Updated only by the
+engine task (between steps), read by the /metrics route. Owns a registry per server, so several
+servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from nanoserve.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        p = "nanoserve:"
+        self.running = Gauge(
+            p + "num_requests_running", "Requests in the running batch", registry=r
+        )
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to run", registry=r)
+        self.kv_usage = Gauge(
+            p + "kv_cache_usage_perc", "Fraction of KV blocks held by requests", registry=r
+        )
+        self.preemptions = Counter(p + "num_preemptions", "Preemptions by recompute", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.success = Counter(
+            p + "request_success", "Requests finished, by reason", ["finished_reason"], registry=r
+        )
+        self.aborted = Counter(p + "requests_aborted", "Requests aborted", registry=r)
+        hist = dict(buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token", **hist)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Between output tokens", **hist)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", **hist)
+        self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to first run", **hist)
+        self._last: dict[str, tuple[int, float]] = {}  # request -> (tokens seen, when)
+        self._generated = 0
+        self._preempted = 0
+
+    def on_arrival(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_abort(self, request_id: str) -> None:
+        self.aborted.inc()
+        self._last.pop(request_id, None)
+
+    def on_step(self, state: dict[str, int], seconds: float) -> None:
+        self.running.set(state["running"])
+        self.waiting.set(state["waiting"])
+        total = state["total_blocks"]
+        self.kv_usage.set((total - state["free_blocks"]) / total)
+        self.generation_tokens.inc(state["generation_tokens"] - self._generated)
+        self._generated = state["generation_tokens"]
+        self.preemptions.inc(state["num_preemptions"] - self._preempted)
+        self._preempted = state["num_preemptions"]
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        m = output.metrics
+        count = sum(len(c.token_ids) for c in output.outputs)
+        seen, when = self._last.get(output.request_id, (0, now))
+        if seen == 0 and count and m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        elif count > seen:
+            gap = (now - when) / (count - seen)
+            for _ in range(count - seen):
+                self.itl.observe(gap)
+        self._last[output.request_id] = (count, now)
+        if output.finished:
+            del self._last[output.request_id]
+            self.e2e.observe((m.finished_time or now) - m.arrival_time)
+            for c in output.outputs:
+                if c.finish_reason != "abort":
+                    self.success.labels(finished_reason=c.finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

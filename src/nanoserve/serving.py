@@ -1,0 +1,250 @@
+"""The Trio bridge between HTTP handlers and the synchronous Engine.
+
+One engine task (`Serving.run`, started in the server's nursery) owns the Engine. Handlers never
+touch it: `Serving.generate` puts an arrival in the inbox (a Trio memory channel) and reads the
+request's deliveries; leaving early, for any reason, queues an abort. Each turn of the engine task
+drains the inbox, applies aborts, delivers, then awaits one `engine.step` in a named thread: the
+only line that leaves the event loop. With no work it sleeps on the inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from nanoserve.engine import Engine, RequestRejected
+from nanoserve.metrics import Metrics
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingParams
+
+log = logging.getLogger("nanoserve.serving")
+
+
+class Overloaded(Exception):
+    """The waiting queue is full; try again later (HTTP 503 with Retry-After)."""
+
+    retry_after = 1
+
+
+class EngineDead(Exception):
+    """The engine failed and serves no more requests (HTTP 503)."""
+
+
+class RequestFailed(Exception):
+    """The engine failed while this request was open."""
+
+
+@dataclass(eq=False)
+class Delivery:
+    """One request's mailbox. The engine task replaces `latest` (outputs are cumulative, so a slow
+    reader skips intermediate snapshots instead of queueing them) and wakes the reader."""
+
+    latest: RequestOutput | None = None
+    error: Exception | None = None
+    finished: bool = False
+    wakeup: trio.Event = field(default_factory=trio.Event)
+
+    def put(self, output: RequestOutput) -> None:
+        self.latest = output
+        self.finished = output.finished
+        self.wakeup.set()
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.finished = True
+        self.wakeup.set()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        seen = None
+        while True:
+            await self.wakeup.wait()
+            self.wakeup = trio.Event()
+            if self.error is not None:
+                raise self.error
+            if self.latest is not None and self.latest is not seen:
+                seen = self.latest
+                yield seen
+                if seen.finished:
+                    return
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    delivery: Delivery
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class Serving:
+    def __init__(
+        self, engine: Engine, max_queue: int | None = None, metrics: Metrics | None = None
+    ):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self._send, self._inbox = trio.open_memory_channel[_Arrival | _Abort](math.inf)
+        self._open: dict[str, Delivery] = {}  # every request a handler is waiting on
+        self._pending: list[RequestOutput] = []  # produced by the last step, not yet delivered
+        self.dead: str | None = None  # why the engine stopped serving, once it has
+        self.steps = 0
+        self.num_waiting = 0  # in the inbox or the scheduler's queue
+        self._arrivals_in_inbox = 0
+        self.state: dict[str, int] = {}
+        self._snapshot()
+
+    # -- the handler side ---------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
+        """Submit a request and iterate over its outputs (cumulative snapshots, the last one
+        finished). Refusals raise here, before anything is queued. Leaving the block before the
+        request finished (a disconnect cancels the handler) aborts it at the next step."""
+        delivery = self._submit(request_id, prompt_token_ids, params)
+        try:
+            yield delivery.outputs()
+        finally:
+            self._open.pop(request_id, None)
+            if not delivery.finished:
+                # Synchronous: an await here would raise at once inside a cancelled scope.
+                self._send.send_nowait(_Abort(request_id))
+
+    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> Delivery:
+        if self.dead is not None:
+            raise EngineDead(f"the engine has stopped: {self.dead}")
+        if request_id in self._open:
+            raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
+        self.engine.check_request(prompt, params)
+        if self.max_queue is not None and self.num_waiting >= self.max_queue:
+            raise Overloaded(
+                f"{self.num_waiting} requests are waiting (max queue {self.max_queue})"
+            )
+        delivery = Delivery()
+        self._open[request_id] = delivery
+        self._send.send_nowait(_Arrival(request_id, prompt, params, delivery))
+        self._arrivals_in_inbox += 1
+        self.num_waiting += 1  # counted now: a burst sees its own queue before the next turn
+        return delivery
+
+    # -- the engine task ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The engine task. Runs until cancelled; a step in flight always completes first."""
+        task_status.started()
+        while True:
+            if not self.engine.has_unfinished() and not self._pending:
+                self._handle(await self._inbox.receive())  # idle: sleep on the inbox
+            aborts = self._drain()
+            for request_id in aborts:
+                self._abort(request_id)
+            self._deliver()
+            if self.engine.has_unfinished() and self.dead is None:
+                await self._step()
+
+    def _drain(self) -> list[str]:
+        aborts = []
+        while True:
+            try:
+                message = self._inbox.receive_nowait()
+            except trio.WouldBlock:
+                return aborts
+            if isinstance(message, _Abort):
+                aborts.append(message.request_id)
+            else:
+                self._handle(message)
+
+    def _handle(self, message: _Arrival | _Abort) -> None:
+        if isinstance(message, _Abort):
+            self._abort(message.request_id)
+            return
+        self._arrivals_in_inbox -= 1
+        if self.dead is not None:
+            message.delivery.fail(EngineDead(f"the engine has stopped: {self.dead}"))
+            return
+        try:
+            self.engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+            self.metrics.on_arrival(len(message.prompt_token_ids))
+        except Exception as e:  # a rejected arrival fails only its own caller
+            message.delivery.fail(e)
+        self._snapshot()
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self.metrics.on_abort(request_id)
+        self._snapshot()
+
+    def _deliver(self) -> None:
+        pending, self._pending = self._pending, []
+        for output in pending:
+            self.metrics.on_output(output)
+            delivery = self._open.get(output.request_id)
+            if delivery is not None:
+                delivery.put(output)
+
+    async def _step(self) -> None:
+        started = time.monotonic()
+        try:
+            outputs = await trio.to_thread.run_sync(self.engine.step, thread_name="engine-step")
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_all(f"{type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        self._pending.extend(outputs)
+        self._snapshot()
+        self.metrics.on_step(self.state, time.monotonic() - started)
+
+    def _fail_all(self, reason: str) -> None:
+        """A failed step, or a schedule that cannot progress: every open request fails, the
+        engine's requests are aborted so their blocks come back, and new ones are refused."""
+        self.dead = reason
+        for request_id in list(self.engine.groups):
+            self.engine.abort(request_id)
+        for delivery in self._open.values():
+            delivery.fail(RequestFailed(reason))
+        self._pending.clear()
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        """What /health and the queue limit read, written only by the engine task between steps."""
+        engine, stats = self.engine, self.engine.scheduler.stats
+        self.num_waiting = len(engine.scheduler.waiting) + self._arrivals_in_inbox
+        self.state = {
+            "running": len(engine.scheduler.running),
+            "waiting": len(engine.scheduler.waiting),
+            "free_blocks": engine.num_free_blocks,
+            "total_blocks": engine.num_blocks,
+            "steps": self.steps,
+            "num_preemptions": stats.num_preemptions,
+            "num_recomputed_tokens": stats.num_recomputed_tokens,
+            "peak_running": stats.peak_running,
+            "generation_tokens": engine.num_generated_tokens,
+        }
+
+    def close(self, reason: str = "the server is shutting down") -> None:
+        """Fail every request still open (their handlers end cleanly); call at shutdown, after
+        the handlers had their grace period."""
+        for delivery in self._open.values():
+            delivery.fail(RequestFailed(reason))
+
+    def health(self) -> dict[str, object]:
+        return {
+            "status": "ok" if self.dead is None else "dead",
+            "reason": self.dead,
+            "open_requests": len(self._open),
+            **self.state,
+        }

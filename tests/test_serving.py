@@ -1,0 +1,190 @@
+"""The Trio bridge, in process: one engine task, handlers talking to it only through the inbox.
+
+These check the turn order's promises (deliver on finish, aborts before the next step, a waiting
+request whose caller left never runs), the three error routes, and that the event loop stays
+responsive while steps run. Disconnects over real sockets are tested in test_disconnect.py.
+"""
+
+import time
+
+import pytest
+import trio
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine, RequestRejected
+from nanoserve.sampling import SamplingParams
+from nanoserve.serving import EngineDead, Overloaded, RequestFailed, Serving
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    return Engine(tiny_model_dir, EngineConfig(max_num_seqs=2))
+
+
+async def _serve(nursery, engine, **kw):
+    serving = Serving(engine, **kw)
+    await nursery.start(serving.run)
+    return serving
+
+
+async def _collect(serving, rid, prompt, params=GREEDY):
+    async with serving.generate(rid, prompt, params) as outputs:
+        return [out async for out in outputs]
+
+
+async def test_answers_match_the_offline_engine(engine, tiny_model_dir):
+    offline = Engine(tiny_model_dir)
+    offline.add_request("x", [5, 6, 7, 8], GREEDY)
+    while offline.has_unfinished():
+        for out in offline.step():
+            expected = out.outputs[0].token_ids
+    async with trio.open_nursery() as nursery:
+        serving = await _serve(nursery, engine)
+        results = {}
+
+        async def one(i):
+            results[i] = await _collect(serving, f"r{i}", [5, 6, 7, 8])
+
+        async with trio.open_nursery() as clients:
+            for i in range(5):
+                clients.start_soon(one, i)
+        for outs in results.values():
+            assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
+        assert serving.health()["free_blocks"] == engine.num_blocks
+        engine.audit()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_waiting_request_whose_caller_left_never_runs(engine):
+    async with trio.open_nursery() as nursery:
+        serving = await _serve(nursery, engine)
+        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        nursery.start_soon(_collect, serving, "a", [1, 2, 3], long)
+        nursery.start_soon(_collect, serving, "b", [1, 2, 3], long)
+        await trio.sleep(0.05)
+        with trio.move_on_after(0.01) as scope:  # queued behind two running requests
+            await _collect(serving, "gone", [9, 9, 9], long)
+        assert scope.cancelled_caught
+        while engine.has_unfinished():
+            assert "gone" not in {r.group_id for r in engine.scheduler.running}
+            await trio.sleep(0.01)
+        assert serving.health()["free_blocks"] == engine.num_blocks
+        nursery.cancel_scope.cancel()
+
+
+async def test_cancelled_caller_aborts_a_running_request_within_a_step(engine):
+    async with trio.open_nursery() as nursery:
+        serving = await _serve(nursery, engine)
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        async with serving.generate("r", [1, 2, 3], params) as outputs:
+            async for out in outputs:
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+        steps_at_leave = serving.steps
+        while engine.has_unfinished():
+            await trio.sleep(0.005)
+        assert serving.steps - steps_at_leave <= 2
+        assert engine.num_generated_tokens < 10
+        engine.audit()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_slow_reader_gets_coalesced_snapshots(engine):
+    async with trio.open_nursery() as nursery:
+        serving = await _serve(nursery, engine)
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        seen = []
+        async with serving.generate("slow", [1, 2, 3], params) as outputs:
+            async for out in outputs:
+                seen.append(len(out.outputs[0].token_ids))
+                await trio.sleep(0.05)  # far slower than a step
+        assert seen[-1] == 30 and len(seen) < 30
+        nursery.cancel_scope.cancel()
+
+
+async def test_refusals_happen_before_anything_is_queued(engine):
+    async with trio.open_nursery() as nursery:
+        serving = await _serve(nursery, engine, max_queue=1)
+        with pytest.raises(RequestRejected) as e:
+            await _collect(serving, "x", [], GREEDY)
+        assert e.value.param == "prompt"
+        with pytest.raises(RequestRejected) as e:
+            await _collect(serving, "x", [1], SamplingParams(max_tokens=10**6))
+        assert e.value.param == "max_tokens"
+        async with serving.generate("dup", [1, 2], GREEDY):
+            with pytest.raises(RequestRejected, match="already in use"):
+                await _collect(serving, "dup", [1, 2])
+            with pytest.raises(Overloaded):
+                await _collect(serving, "one-too-many", [1, 2])
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_step_that_raises_fails_every_open_request(engine, monkeypatch):
+    async with trio.open_nursery() as nursery:
+        serving = await _serve(nursery, engine)
+
+        def broken_step():
+            raise RuntimeError("simulated device fault")
+
+        monkeypatch.setattr(engine, "step", broken_step)
+        failures = []
+
+        async def client(i):
+            try:
+                await _collect(serving, f"c{i}", [1, 2, 3])
+            except RequestFailed as e:
+                failures.append(str(e))
+
+        async with trio.open_nursery() as clients:
+            for i in range(3):
+                clients.start_soon(client, i)
+        assert len(failures) == 3 and all("simulated device fault" in f for f in failures)
+        health = serving.health()
+        assert health["status"] == "dead" and "simulated" in health["reason"]
+        assert health["free_blocks"] == engine.num_blocks
+        with pytest.raises(EngineDead):
+            await _collect(serving, "late", [1, 2, 3])
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_schedule_without_progress_fails_every_open_request(engine):
+    async with trio.open_nursery() as nursery:
+        serving = await _serve(nursery, engine)
+        engine.scheduler.max_num_batched_tokens = 0  # nothing can ever be scheduled
+        with pytest.raises(RequestFailed, match="none can be scheduled"):
+            await _collect(serving, "stuck", [1, 2, 3])
+        assert serving.health()["status"] == "dead"
+        nursery.cancel_scope.cancel()
+
+
+async def test_event_loop_stays_responsive_while_steps_run(engine, capsys):
+    stalls = []
+    async with trio.open_nursery() as nursery:
+        serving = await _serve(nursery, engine)
+        done = trio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not done.is_set():
+                await trio.sleep(0)
+                now = time.perf_counter()
+                stalls.append(now - last)
+                last = now
+
+        nursery.start_soon(ticker)
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        async with trio.open_nursery() as clients:
+            for i in range(4):
+                clients.start_soon(_collect, serving, f"t{i}", list(range(1, 60)), params)
+        done.set()
+        steps = serving.steps
+        nursery.cancel_scope.cancel()
+    stalls.sort()
+    with capsys.disabled():
+        print(
+            f"\n[ticker] {len(stalls)} turns over {steps} steps; median stall "
+            f"{stalls[len(stalls) // 2] * 1e6:.0f} us, longest {stalls[-1] * 1e3:.2f} ms"
+        )
+    assert len(stalls) > 10 * steps  # the loop ran many turns per step, not one
