@@ -20,3 +20,12 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", "src")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Kernel and engine benchmarks; results and plots land in bench/results/."""
+    session.install(TORCH)
+    session.install("-e", ".[bench,triton]")
+    session.run("python", "bench/bench_kernels.py", *session.posargs)
+    session.run("python", "bench/bench_engine.py")

@@ -309,10 +309,9 @@ class Engine:
 
 
 def _completion(request: Request) -> CompletionOutput:
-    detok = request.detokenizer
     return CompletionOutput(
         index=request.index,
-        text=detok.text if request.is_finished else detok.visible_text(),
+        text=request.detokenizer.visible_text(),
         token_ids=tuple(request.output_token_ids),
         finish_reason=request.finish_reason,
         stop_reason=request.stop_reason,

@@ -78,3 +78,4 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finished_time = time.monotonic()
+        self.detokenizer.finish()  # release a held-back tail
