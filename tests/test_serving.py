@@ -60,16 +60,23 @@ async def test_answers_match_the_offline_engine(engine, tiny_model_dir):
 async def test_a_waiting_request_whose_caller_left_never_runs(engine):
     async with trio.open_nursery() as nursery:
         serving = await _serve(nursery, engine)
-        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-        nursery.start_soon(_collect, serving, "a", [1, 2, 3], long)
-        nursery.start_soon(_collect, serving, "b", [1, 2, 3], long)
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        seen = set()
+        async with trio.open_nursery() as busy:
+            busy.start_soon(_collect, serving, "a", [1, 2, 3], long)
+            busy.start_soon(_collect, serving, "b", [1, 2, 3], long)
+            while serving.health()["running"] < 2:  # both slots taken
+                await trio.sleep(0.001)
+            with trio.move_on_after(0.01) as scope:  # queued behind them, then gone
+                await _collect(serving, "gone", [9, 9, 9], long)
+            assert scope.cancelled_caught
+            busy.cancel_scope.cancel()  # free the slots: "gone" would run now if still queued
+        while engine.has_unfinished() or serving.health()["waiting"]:
+            seen |= {r.group_id for r in engine.scheduler.running}
+            await trio.sleep(0.001)
+        steps = serving.steps
         await trio.sleep(0.05)
-        with trio.move_on_after(0.01) as scope:  # queued behind two running requests
-            await _collect(serving, "gone", [9, 9, 9], long)
-        assert scope.cancelled_caught
-        while engine.has_unfinished():
-            assert "gone" not in {r.group_id for r in engine.scheduler.running}
-            await trio.sleep(0.01)
+        assert "gone" not in seen and serving.steps == steps
         assert serving.health()["free_blocks"] == engine.num_blocks
         nursery.cancel_scope.cancel()
 
