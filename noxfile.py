@@ -26,6 +26,6 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Kernel and engine benchmarks; results and plots land in bench/results/."""
     session.install(TORCH)
-    session.install("-e", ".[bench,triton]")
+    session.install("-e", ".[bench]")
     session.run("python", "bench/bench_kernels.py", *session.posargs)
     session.run("python", "bench/bench_engine.py")

@@ -119,11 +119,13 @@ def _backend(backend: str, device: torch.device) -> ModuleType:
         return c_backend
     if backend == "triton":
         if not _triton_installed():
-            raise BackendUnavailableError("backend='triton' needs triton: pip install triton==3.6.*")
+            raise BackendUnavailableError(
+                "backend='triton' needs triton: pip install triton==3.6.*"
+            )
         if not _triton_runs_on(device):
             raise BackendUnavailableError(
-                f"backend='triton' needs CUDA tensors (these are on {device}); CPU tensors run only "
-                "in Triton's interpreter: set TRITON_INTERPRET=1 before triton is first imported"
+                f"backend='triton' needs CUDA tensors (these are on {device}); CPU tensors run "
+                "only in Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
             )
         from . import triton_decode
 
@@ -163,7 +165,9 @@ def _check_cache(k_cache: object, v_cache: object) -> tuple[int, ...]:
         raise ValueError(
             f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
         )
-    for axis, size in zip(("num_kv_heads", "block_size", "head_dim"), k_cache.shape[1:], strict=True):
+    for axis, size in zip(
+        ("num_kv_heads", "block_size", "head_dim"), k_cache.shape[1:], strict=True
+    ):
         if size < 1:
             raise ValueError(f"k_cache {axis} must be at least 1, got {size}")
     return tuple(k_cache.shape)
@@ -183,7 +187,8 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -
         raise ValueError(f"q head_dim {q_head_dim} differs from the cache head_dim {head_dim}")
     if num_q_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
-            f"q num_q_heads {num_q_heads} must be a positive multiple of num_kv_heads {num_kv_heads}"
+            f"q num_q_heads {num_q_heads} must be a positive multiple of num_kv_heads "
+            f"{num_kv_heads}"
         )
     for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
         if t.shape[0] != num_seqs:
@@ -220,7 +225,9 @@ def _check_store(key, value, k_cache, v_cache, slot_mapping) -> None:
     _check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots, key has {key.shape[0]}")
-    _check_device(key.device, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    _check_device(
+        key.device, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
+    )
 
 
 def _check_table_values(

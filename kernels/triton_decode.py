@@ -76,7 +76,9 @@ def _partial_kernel(
     for tile in range(SPLIT // BLOCK_N):
         tok = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         t_mask = tok < end
-        block = tl.load(table_ptr + seq * stride_table_seq + tok // block_size, mask=t_mask, other=0)
+        block = tl.load(
+            table_ptr + seq * stride_table_seq + tok // block_size, mask=t_mask, other=0
+        )
         row = (
             block.to(tl.int64) * stride_k_block
             + kv_head * stride_k_head
@@ -216,7 +218,9 @@ def paged_attention_decode(
     part_out = torch.empty(
         (num_seqs, num_q_heads, max_splits, head_dim), dtype=torch.float32, device=q.device
     )
-    part_lse = torch.empty((num_seqs, num_q_heads, max_splits), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(
+        (num_seqs, num_q_heads, max_splits), dtype=torch.float32, device=q.device
+    )
     block_d = max(16, triton.next_power_of_2(head_dim))
     _partial_kernel[(num_seqs, num_kv_heads, max_splits)](
         q,

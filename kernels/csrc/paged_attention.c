@@ -3,7 +3,9 @@
  * Python passes data pointers, sizes and a dtype code as ints (kernels/c_backend.py); every tensor is
  * contiguous. Cache layout: [num_blocks, num_kv_heads, block_size, head_dim]. One OpenMP work item is
  * one (sequence, KV head): its query heads are processed together, so each key and value row is read
- * from memory once; the softmax is online, in float32; bf16/fp16 rows are widened in registers.
+ * from memory once; the softmax is online, in float32, and bf16/fp16 values are widened as they are
+ * read. Inner loops are written for gcc's auto-vectoriser (check with -fopt-info-vec); no
+ * intrinsics, no -ffast-math.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -112,6 +114,14 @@ static void store_row(void *restrict dst, const float *restrict src, Py_ssize_t 
 
 static size_t dtype_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
 
+/* Element i of a row of dtype, as float32. Called with a constant dtype, the branches fold away and
+ * the widening vectorises with the arithmetic around it. */
+static inline float elem(const char *restrict row, Py_ssize_t i, int dtype) {
+    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)row)[i]);
+    if (dtype == DTYPE_F16) return f16_to_f32(((const uint16_t *)row)[i]);
+    return ((const float *)row)[i];
+}
+
 typedef struct {
     void *out;
     const void *q, *k, *v;
@@ -128,7 +138,7 @@ typedef struct {
     float *acc;    /* [group, head_dim] */
     float *scores; /* [group, block_size] */
     float *m, *l;  /* [group] running max and sum */
-    float *k, *v;  /* [block_size, head_dim] widened rows (bf16/fp16 only) */
+    float *k, *v;  /* [block_size, head_dim] the last, partial block, widened and zero-padded */
 } scratch;
 
 static float *scratch_alloc(const decode_args *a, scratch *s) {
@@ -146,62 +156,161 @@ static float *scratch_alloc(const decode_args *a, scratch *s) {
     return base;
 }
 
-/* Scores of the group's query heads against n key rows: scores[g * block_size + t]. */
-static void block_scores(const decode_args *a, const scratch *s, const float *restrict k,
-                         Py_ssize_t n, Py_ssize_t group) {
-    Py_ssize_t d = a->head_dim;
-    for (Py_ssize_t t = 0; t < n; t++) {
-        const float *restrict krow = k + t * d;
-        for (Py_ssize_t g = 0; g < group; g++) {
-            const float *restrict qrow = s->q + g * d;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (Py_ssize_t i = 0; i < d; i++) dot += qrow[i] * krow[i];
-            s->scores[g * a->block_size + t] = dot;
+/* The loops below are written for gcc's vectoriser without -ffast-math: a float reduction such as
+ * `for (...) sum += x[i]` is summed in order, one lane after the other. Instead each reduction
+ * keeps 16 independent partial results (one vector register) and combines them pairwise. */
+#define LANES 16
+
+static inline float dot(const float *restrict a, const char *restrict b, Py_ssize_t n, int dtype) {
+    float part[LANES] = {0};
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += a[i + l] * elem(b, i + l, dtype);
+    for (int l = 0; l < LANES && i + l < n; l++) part[l] += a[i + l] * elem(b, i + l, dtype);
+    for (int l = 0; l < 8; l++) part[l] += part[l + 8];
+    for (int l = 0; l < 4; l++) part[l] += part[l + 4];
+    return (part[0] + part[2]) + (part[1] + part[3]);
+}
+
+static inline float max_of(const float *restrict x, Py_ssize_t n) {
+    float part[LANES];
+    for (int l = 0; l < LANES; l++) part[l] = x[0];
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) part[l] = x[i + l] > part[l] ? x[i + l] : part[l];
+    for (; i < n; i++) part[0] = x[i] > part[0] ? x[i] : part[0];
+    for (int l = 0; l < 8; l++) part[l] = part[l + 8] > part[l] ? part[l + 8] : part[l];
+    for (int l = 0; l < 4; l++) part[l] = part[l + 4] > part[l] ? part[l + 4] : part[l];
+    float m01 = part[1] > part[0] ? part[1] : part[0], m23 = part[3] > part[2] ? part[3] : part[2];
+    return m23 > m01 ? m23 : m01;
+}
+
+/* x[t] = exp(x[t] - shift); returns the sum. */
+static inline float exp_sum(float *restrict x, float shift, Py_ssize_t n) {
+    float part[LANES] = {0};
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            x[i + l] = exp_nonpos(x[i + l] - shift);
+            part[l] += x[i + l];
+        }
+    for (; i < n; i++) {
+        x[i] = exp_nonpos(x[i] - shift);
+        part[0] += x[i];
+    }
+    for (int l = 0; l < 8; l++) part[l] += part[l + 8];
+    for (int l = 0; l < 4; l++) part[l] += part[l + 4];
+    return (part[0] + part[2]) + (part[1] + part[3]);
+}
+
+/* acc[0:d] += sum_t p[t] * v[t, 0:d], 64 lanes at a time in four 16-lane sums that stay in vector
+ * registers across the tokens: updating acc in memory token after token waits on store-to-load
+ * forwarding (and gcc keeps one 64-float array in memory). */
+static inline void accumulate(float *restrict acc, const float *restrict p,
+                              const char *restrict v, Py_ssize_t n, Py_ssize_t d, int dtype) {
+    const size_t es = dtype_size(dtype);
+    Py_ssize_t i0 = 0;
+    for (; i0 + 4 * LANES <= d; i0 += 4 * LANES) {
+        float r0[LANES], r1[LANES], r2[LANES], r3[LANES];
+        for (int l = 0; l < LANES; l++) {
+            r0[l] = acc[i0 + l];
+            r1[l] = acc[i0 + LANES + l];
+            r2[l] = acc[i0 + 2 * LANES + l];
+            r3[l] = acc[i0 + 3 * LANES + l];
+        }
+        for (Py_ssize_t t = 0; t < n; t++) {
+            const char *restrict row = v + (size_t)(t * d + i0) * es;
+            for (int l = 0; l < LANES; l++) {
+                r0[l] += p[t] * elem(row, l, dtype);
+                r1[l] += p[t] * elem(row, LANES + l, dtype);
+                r2[l] += p[t] * elem(row, 2 * LANES + l, dtype);
+                r3[l] += p[t] * elem(row, 3 * LANES + l, dtype);
+            }
+        }
+        for (int l = 0; l < LANES; l++) {
+            acc[i0 + l] = r0[l];
+            acc[i0 + LANES + l] = r1[l];
+            acc[i0 + 2 * LANES + l] = r2[l];
+            acc[i0 + 3 * LANES + l] = r3[l];
         }
     }
-}
-
-/* Online-softmax update of one query head with n scores and value rows. */
-static void block_update(const decode_args *a, const scratch *s, const float *restrict v,
-                         Py_ssize_t n, Py_ssize_t g) {
-    Py_ssize_t d = a->head_dim;
-    float *restrict sc = s->scores + g * a->block_size;
-    float *restrict acc = s->acc + g * d;
-    float block_max = sc[0];
-#pragma omp simd reduction(max : block_max)
-    for (Py_ssize_t t = 1; t < n; t++) block_max = sc[t] > block_max ? sc[t] : block_max;
-    float m_new = block_max > s->m[g] ? block_max : s->m[g];
-    float alpha = exp_nonpos(s->m[g] - m_new);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (Py_ssize_t t = 0; t < n; t++) {
-        sc[t] = exp_nonpos(sc[t] - m_new);
-        sum += sc[t];
-    }
-    s->l[g] = s->l[g] * alpha + sum;
-    s->m[g] = m_new;
-#pragma omp simd
-    for (Py_ssize_t i = 0; i < d; i++) acc[i] *= alpha;
-    for (Py_ssize_t t = 0; t < n; t++) {
-        const float p = sc[t];
-        const float *restrict vrow = v + t * d;
-#pragma omp simd
-        for (Py_ssize_t i = 0; i < d; i++) acc[i] += p * vrow[i];
+    if (d % (4 * LANES) == 0) return; /* lets gcc drop the tail where d is a constant */
+    for (Py_ssize_t i = i0; i < d; i++) {
+        float sum = acc[i];
+        for (Py_ssize_t t = 0; t < n; t++) sum += p[t] * elem(v, t * d + i, dtype);
+        acc[i] = sum;
     }
 }
 
-static void decode_one(const decode_args *a, const scratch *s, Py_ssize_t seq, Py_ssize_t kvh) {
-    const Py_ssize_t d = a->head_dim, bs = a->block_size;
+/* Asks for cache lines of the next block while this one is computed, a row per token: blocks are
+ * scattered, so the hardware prefetcher loses the stream at every block boundary. */
+static inline void prefetch_rows(const char *k, const char *v, size_t bytes) {
+#if defined(__GNUC__)
+    for (size_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(k + off, 0, 2);
+        __builtin_prefetch(v + off, 0, 2);
+    }
+#else
+    (void)k, (void)v, (void)bytes;
+#endif
+}
+
+/* One block of bs key/value rows (a partial last block comes zero-padded, with n valid rows):
+ * scores of every query head of the group, then the online-softmax update of each. */
+static inline void block_step(const scratch *s, const char *restrict k, const char *restrict v,
+                              int dtype, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d,
+                              Py_ssize_t bs, const char *next_k, const char *next_v,
+                              size_t next_row_bytes) {
+    const size_t row_bytes = (size_t)d * dtype_size(dtype);
+    for (Py_ssize_t t = 0; t < bs; t++) {
+        if (next_k)
+            prefetch_rows(next_k + t * next_row_bytes, next_v + t * next_row_bytes, next_row_bytes);
+        for (Py_ssize_t g = 0; g < group; g++)
+            s->scores[g * bs + t] = dot(s->q + g * d, k + t * row_bytes, d, dtype);
+    }
+    for (Py_ssize_t g = 0; g < group; g++) {
+        float *restrict sc = s->scores + g * bs;
+        for (Py_ssize_t t = n; t < bs; t++) sc[t] = -INFINITY;
+        const float m_new = fmaxf(max_of(sc, bs), s->m[g]);
+        const float alpha = exp_nonpos(s->m[g] - m_new);
+        s->l[g] = s->l[g] * alpha + exp_sum(sc, m_new, bs);
+        s->m[g] = m_new;
+        float *restrict acc = s->acc + g * d;
+        for (Py_ssize_t i = 0; i < d; i++) acc[i] *= alpha;
+        accumulate(acc, sc, v, bs, d, dtype);
+    }
+}
+
+/* Rows [0, n) of a block as float32 in dst, rows [n, bs) zero. */
+static inline void load_block(float *restrict dst, const char *src, Py_ssize_t n, Py_ssize_t bs,
+                              Py_ssize_t d, int dtype) {
+    load_row(dst, src, n * d, dtype);
+    memset(dst + n * d, 0, (size_t)((bs - n) * d) * sizeof(float));
+}
+
+#if defined(__GNUC__)
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define ALWAYS_INLINE inline
+#endif
+
+/* One work item: query heads [kvh * group, (kvh + 1) * group) of sequence seq. d, bs and dtype
+ * are arguments so that decode_item can pass constants for the common cases. */
+static ALWAYS_INLINE void decode_one(const decode_args *a, const scratch *s, Py_ssize_t seq,
+                                     Py_ssize_t kvh, const Py_ssize_t d, const Py_ssize_t bs,
+                                     const int dtype) {
     const Py_ssize_t group = a->num_q_heads / a->num_kv_heads;
-    const size_t es = dtype_size(a->dtype);
+    const size_t es = dtype_size(dtype);
     const Py_ssize_t ctx = a->context_lens[seq];
     const int32_t *table = a->block_tables + seq * a->max_blocks_per_seq;
     const Py_ssize_t q_off = (seq * a->num_q_heads + kvh * group) * d;
+    const size_t block_bytes = (size_t)(bs * d) * es;
+    const size_t head_bytes = (size_t)kvh * block_bytes;
+    const size_t stride = (size_t)a->num_kv_heads * block_bytes; /* between blocks */
 
     for (Py_ssize_t g = 0; g < group; g++) {
         float *qrow = s->q + g * d;
-        load_row(qrow, (const char *)a->q + (size_t)(q_off + g * d) * es, d, a->dtype);
+        load_row(qrow, (const char *)a->q + (size_t)(q_off + g * d) * es, d, dtype);
         for (Py_ssize_t i = 0; i < d; i++) qrow[i] *= a->scale;
         memset(s->acc + g * d, 0, (size_t)d * sizeof(float));
         s->m[g] = -INFINITY;
@@ -209,25 +318,48 @@ static void decode_one(const decode_args *a, const scratch *s, Py_ssize_t seq, P
     }
     for (Py_ssize_t j = 0; j * bs < ctx; j++) {
         const Py_ssize_t n = ctx - j * bs < bs ? ctx - j * bs : bs;
-        const size_t row0 = ((size_t)table[j] * (size_t)a->num_kv_heads + (size_t)kvh) * (size_t)bs;
-        const char *kb = (const char *)a->k + row0 * (size_t)d * es;
-        const char *vb = (const char *)a->v + row0 * (size_t)d * es;
-        const float *k = (const float *)kb, *v = (const float *)vb;
-        if (a->dtype != DTYPE_F32) {
-            load_row(s->k, kb, n * d, a->dtype);
-            load_row(s->v, vb, n * d, a->dtype);
-            k = s->k;
-            v = s->v;
+        const char *kb = (const char *)a->k + (size_t)table[j] * stride + head_bytes;
+        const char *vb = (const char *)a->v + (size_t)table[j] * stride + head_bytes;
+        const char *next_k = NULL, *next_v = NULL;
+        if ((j + 1) * bs < ctx) {
+            next_k = (const char *)a->k + (size_t)table[j + 1] * stride + head_bytes;
+            next_v = (const char *)a->v + (size_t)table[j + 1] * stride + head_bytes;
         }
-        block_scores(a, s, k, n, group);
-        for (Py_ssize_t g = 0; g < group; g++) block_update(a, s, v, n, g);
+        if (n == bs) {
+            block_step(s, kb, vb, dtype, n, group, d, bs, next_k, next_v, (size_t)d * es);
+        } else { /* the last, partial block: zero-padded to a whole one */
+            load_block(s->k, kb, n, bs, d, dtype);
+            load_block(s->v, vb, n, bs, d, dtype);
+            block_step(s, (const char *)s->k, (const char *)s->v, DTYPE_F32, n, group, d, bs,
+                       NULL, NULL, 0);
+        }
     }
     for (Py_ssize_t g = 0; g < group; g++) {
         float *acc = s->acc + g * d;
         const float inv = 1.0f / s->l[g];
         for (Py_ssize_t i = 0; i < d; i++) acc[i] *= inv;
-        store_row((char *)a->out + (size_t)(q_off + g * d) * es, acc, d, a->dtype);
+        store_row((char *)a->out + (size_t)(q_off + g * d) * es, acc, d, dtype);
     }
+}
+
+static ALWAYS_INLINE void decode_shape(const decode_args *a, const scratch *s, Py_ssize_t seq,
+                                       Py_ssize_t kvh, const int dtype) {
+    const Py_ssize_t d = a->head_dim, bs = a->block_size;
+    if (d == 64 && bs == 16)
+        decode_one(a, s, seq, kvh, 64, 16, dtype);
+    else if (d == 128 && bs == 16)
+        decode_one(a, s, seq, kvh, 128, 16, dtype);
+    else
+        decode_one(a, s, seq, kvh, d, bs, dtype);
+}
+
+static void decode_item(const decode_args *a, const scratch *s, Py_ssize_t seq, Py_ssize_t kvh) {
+    if (a->dtype == DTYPE_BF16)
+        decode_shape(a, s, seq, kvh, DTYPE_BF16);
+    else if (a->dtype == DTYPE_F16)
+        decode_shape(a, s, seq, kvh, DTYPE_F16);
+    else
+        decode_shape(a, s, seq, kvh, DTYPE_F32);
 }
 
 /* Runs with the GIL released; returns 0, or -1 when a thread could not allocate its scratch. */
@@ -242,7 +374,7 @@ static int decode_all(const decode_args *a, int num_threads) {
         /* Context lengths differ between sequences: hand out items one at a time. */
 #pragma omp for schedule(dynamic, 1)
         for (Py_ssize_t item = 0; item < items; item++) {
-            if (base) decode_one(a, &s, item / a->num_kv_heads, item % a->num_kv_heads);
+            if (base) decode_item(a, &s, item / a->num_kv_heads, item % a->num_kv_heads);
         }
         free(base);
     }

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# GPU check of the paged-attention kernels: the kernel tests on CUDA, the GPU benchmark and a sweep of
+# Triton launch configs, everything (logs, JSON, plots, a status line per step) written to OUT_DIR.
+#
+#   bench/gpu_check.sh OUT_DIR
+#
+# Needs no network: uses the machine's python (PYTHON=... to choose) with its torch and triton, builds
+# the C module in place if setuptools and gcc are there, and imports nanoserve.kernels through a
+# throw-away package folder (so that nothing is installed and the engine's dependencies are not
+# needed). A failing step is recorded and the next one runs; the script ends within about 8 minutes.
+set -euo pipefail
+
+OUT=${1:?usage: bench/gpu_check.sh OUT_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+DEADLINE=$(($(date +%s) + ${GPU_CHECK_SECONDS:-460}))
+LOG="$OUT/gpu_check.log"
+STATUS="$OUT/status.txt"
+: >"$STATUS"
+exec > >(tee -a "$LOG") 2>&1
+
+# step NAME CAP_SECONDS CMD...: runs CMD with its output in OUT/NAME.log, for at most CAP seconds
+# and never past the deadline; records "NAME ok|failed rc=N|skipped, seconds" in status.txt.
+step() {
+  local name=$1 cap=$2 left rc start
+  shift 2
+  left=$((DEADLINE - $(date +%s)))
+  ((cap < left)) || cap=$left
+  if ((cap < 10)); then
+    echo "$name skipped (out of time)" | tee -a "$STATUS"
+    return 0
+  fi
+  echo "== $name (up to ${cap}s): $*"
+  start=$(date +%s)
+  rc=0
+  timeout --kill-after=10 "$cap" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  tail -n 25 "$OUT/$name.log"
+  if ((rc == 0)); then
+    echo "$name ok, $(($(date +%s) - start))s" | tee -a "$STATUS"
+  else
+    echo "$name failed rc=$rc, $(($(date +%s) - start))s" | tee -a "$STATUS"
+  fi
+}
+
+environment() {
+  date -u
+  nvidia-smi || true
+  "$PY" - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+print("cuda available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0))
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as e:
+    print("no triton:", e)
+for mod in ("pytest", "matplotlib", "setuptools", "numpy"):
+    try:
+        print(mod, __import__(mod).__version__)
+    except ImportError:
+        print(mod, "MISSING")
+EOF
+  gcc --version | head -n 1 || true
+  git -C "$REPO" log -1 --format='commit %H %s' 2>/dev/null || true
+}
+
+# nanoserve.kernels without installing: a package folder whose kernels/ is this repo's kernels/.
+SHIM=$(mktemp -d)
+trap 'rm -rf "$SHIM"' EXIT
+mkdir -p "$SHIM/nanoserve"
+echo '"""nanoserve.kernels only (bench/gpu_check.sh)."""' >"$SHIM/nanoserve/__init__.py"
+ln -s "$REPO/kernels" "$SHIM/nanoserve/kernels"
+export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+
+export PY REPO
+export -f environment
+step environment 30 bash -c environment
+step build_c 90 "$PY" setup.py build_ext --inplace
+step import 60 "$PY" -c "from nanoserve import kernels; print(kernels.available_backends('cuda'), kernels.available_backends('cpu'))"
+
+# The kernel tests, CUDA cases included; the interpreter subprocess is CI's job (slow, CPU only).
+# -c /dev/null and --noconftest: the tests need neither the project's pytest settings nor its plugins.
+if "$PY" -c "import pytest" 2>/dev/null; then
+  step tests 200 "$PY" -m pytest tests/test_kernels.py -c /dev/null --rootdir "$REPO" --noconftest \
+    -p no:cacheprovider -k "not interpreter" -rA --durations=15 --junitxml="$OUT/tests.xml"
+else
+  echo "tests skipped: pytest is not installed" | tee -a "$STATUS"
+fi
+
+step bench 240 "$PY" bench/bench_kernels.py --device cuda --out "$OUT"
+step sweep 150 "$PY" bench/bench_kernels.py --device cuda --sweep --out "$OUT"
+
+echo "== status"
+cat "$STATUS"
+echo "results in $OUT:"
+ls -l "$OUT"
+! grep -q "failed" "$STATUS"
