@@ -85,8 +85,8 @@ def _prefill(
     else:
         keys = _gather(k_cache, chunk)
         values = _gather(v_cache, chunk)
-        rows = torch.arange(chunk.length).unsqueeze(1) + cached
-        mask = torch.arange(chunk.context_len).unsqueeze(0) <= rows  # [length, context_len]
+        rows = torch.arange(chunk.length, device=q.device).unsqueeze(1) + cached
+        mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # [num_heads, length, head_dim]
         keys,  # [num_kv_heads, context_len, head_dim]

@@ -129,6 +129,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     watermark: float = 0.01
     attention_backend: str = "auto"
+    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + cache
+    cuda_graphs: bool = True  # CUDA: replay decode steps from captured graphs
 
     def __post_init__(self) -> None:
         checks = {
@@ -140,6 +142,8 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens > 0,
             "max_model_len": self.max_model_len is None or self.max_model_len > 0,
             "watermark": 0.0 <= self.watermark < 1.0,
+            "device": self.device == "cpu" or self.device.startswith("cuda"),
+            "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
         }
         for name, ok in checks.items():
             if not ok:

@@ -11,15 +11,13 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.attention import AttentionMetadata, PrefillChunk
 from nanoserve.config import EngineConfig, ModelConfig
-from nanoserve.kv_cache import BlockAllocator, allocate_cache, block_bytes
-from nanoserve.loader import load_weights
-from nanoserve.model.llama import Llama
+from nanoserve.kv_cache import BlockAllocator
+from nanoserve.model_runner import ModelRunner
 from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.request import Request, Status
 from nanoserve.sampling import SampleRow, SamplingParams, mix_seed, sample
-from nanoserve.scheduler import ScheduledRequest, Scheduler
+from nanoserve.scheduler import Scheduler
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -41,25 +39,9 @@ class Engine:
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
-        dtype = config.torch_dtype
-        per_block = block_bytes(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype
-        )
-        self.num_blocks = config.num_kv_blocks or int(
-            config.kv_cache_memory_gb * 2**30 // per_block
-        )
-        pool_tokens = self.num_blocks * config.block_size
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, pool_tokens)
-        self.model = Llama(mc, load_weights(model_dir, dtype), self.max_model_len)
-        self.kv_caches = allocate_cache(
-            mc.num_layers,
-            self.num_blocks,
-            mc.num_kv_heads,
-            config.block_size,
-            mc.head_dim,
-            dtype,
-            config.device,
-        )
+        self.runner = ModelRunner(model_dir, mc, config)
+        self.num_blocks = self.runner.num_blocks
+        self.max_model_len = self.runner.max_model_len
         self.allocator = BlockAllocator(
             self.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -171,7 +153,7 @@ class Engine:
                 )
             return []
         batch.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first, then prefills
-        logits = self._forward(batch)
+        logits = self.runner.forward(batch)
         self.scheduler.after_step(batch)
         ready = [
             item.request
@@ -195,48 +177,6 @@ class Engine:
             if out.finished:
                 del self.groups[out.request_id]
         return outputs
-
-    def _forward(self, batch: list[ScheduledRequest]) -> torch.Tensor:
-        bs = self.config.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        prefills: list[PrefillChunk] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        for item in batch:
-            r, start, n = item.request, item.request.num_computed_tokens, item.num_new_tokens
-            row = len(input_ids)
-            input_ids += r.token_ids[start : start + n]
-            positions += range(start, start + n)
-            slots += [r.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if start + n == r.num_tokens:
-                logits_rows.append(row + n - 1)
-            if n == 1:
-                decode_tables.append(r.block_table)
-                decode_lens.append(start + 1)
-            else:
-                table = torch.tensor(r.block_table, dtype=torch.int32)
-                prefills.append(PrefillChunk(row, n, start + n, table))
-        width = max((len(t) for t in decode_tables), default=0)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            num_decode=len(decode_tables),
-            decode_block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32
-            ).reshape(len(decode_tables), width),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32),
-            prefills=tuple(prefills),
-            backend=self.config.attention_backend,
-        )
-        return self.model.forward(
-            torch.tensor(input_ids),
-            torch.tensor(positions),
-            self.kv_caches,
-            meta,
-            torch.tensor(logits_rows, dtype=torch.long),
-        )
 
     def _sample_row(self, request: Request) -> SampleRow:
         p = request.params

@@ -27,12 +27,14 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     )
 
 
-def load_weights(path: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint, cast to `dtype` (one copy in memory at a time per tensor)."""
+def load_weights(
+    path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint, cast to `dtype` on `device`, one tensor at a time."""
     weights: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
             names = f.keys()
             for name in names:
-                weights[name] = f.get_tensor(name).to(dtype)
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     return weights

@@ -121,10 +121,11 @@ class Sample:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
-    """One token per row of `logits` [len(rows), vocab] (float32)."""
+    """One token per row of `logits` [len(rows), vocab] (float32, on any device). The tokens
+    come back to the host once, together with the logprobs asked for."""
     raw = logits
     logits = _apply_penalties_and_bans(logits, rows)
-    tokens = torch.empty(len(rows), dtype=torch.long)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         tokens[greedy] = logits[greedy].argmax(dim=-1)
@@ -132,15 +133,12 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
     if sampled:
         probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
         for j, i in enumerate(sampled):
-            noise = torch.empty_like(probs[j]).exponential_(generator=_generator(rows[i]))
+            noise = torch.empty_like(probs[j]).exponential_(generator=_generator(rows[i], probs))
             tokens[i] = (probs[j] / noise).argmax()
-    token_list = tokens.tolist()
-    return [
-        Sample(
-            t, _logprobs(raw[i], t, r.params.logprobs) if r.params.logprobs is not None else None
-        )
-        for i, (t, r) in enumerate(zip(token_list, rows, strict=True))
-    ]
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    logprobs = _logprobs(raw[wanted], tokens[wanted], [rows[i].params for i in wanted])
+    by_row = dict(zip(wanted, logprobs, strict=True))
+    return [Sample(t, by_row.get(i)) for i, t in enumerate(tokens.tolist())]
 
 
 def _apply_penalties_and_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -152,13 +150,14 @@ def _apply_penalties_and_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -
         r, row = rows[i], logits[i]
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), device=row.device)
             values = row[seen]
             row[seen] = torch.where(
                 values > 0, values / p.repetition_penalty, values * p.repetition_penalty
             )
         if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
-            counts = torch.bincount(torch.tensor(r.output_ids), minlength=row.shape[0])
+            output = torch.tensor(r.output_ids, device=row.device)
+            counts = torch.bincount(output, minlength=row.shape[0])
             row -= p.frequency_penalty * counts[: row.shape[0]]
             row -= p.presence_penalty * (counts[: row.shape[0]] > 0)
         if r.banned_ids:
@@ -168,15 +167,16 @@ def _apply_penalties_and_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, as probabilities (filtered entries are 0)."""
-    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    on = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=on).unsqueeze(1)
     probs = torch.softmax(logits / temps, dim=-1)
     vocab = probs.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
-    top_p = torch.tensor([p.top_p for p in params])
-    min_p = torch.tensor([p.min_p for p in params])
-    if bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any()):
+    if any(0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0 for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=on)
+        top_p = torch.tensor([p.top_p for p in params], device=on)
+        min_p = torch.tensor([p.min_p for p in params], device=on)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab).unsqueeze(0)
+        rank = torch.arange(vocab, device=on).unsqueeze(0)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop = (rank >= top_k.unsqueeze(1)) | (mass_before >= top_p.unsqueeze(1))
         drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
@@ -185,8 +185,8 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs
 
 
-def _generator(row: SampleRow) -> torch.Generator:
-    g = torch.Generator()
+def _generator(row: SampleRow, like: torch.Tensor) -> torch.Generator:
+    g = torch.Generator(device=like.device)
     g.manual_seed(mix_seed(row.seed, row.position))
     return g
 
@@ -199,12 +199,22 @@ def mix_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & _MASK64
 
 
-def _logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
+def _logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+) -> list[dict[int, Logprob]]:
+    """Per row: the chosen token's logprob and rank, and the top N (of the model's own
+    distribution, before temperature, penalties and filters)."""
+    if not params:
+        return []
     logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = float(logprobs[token])
-    result = {token: Logprob(chosen, int((logprobs > chosen).sum()) + 1)}
-    if top_n:
-        values, ids = logprobs.topk(top_n)
-        for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
-            result.setdefault(t, Logprob(v, rank))
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_values, top_ids = logprobs.topk(max(max(p.logprobs or 0 for p in params), 1), dim=-1)
+    host = [t.tolist() for t in (tokens, chosen[:, 0], ranks, top_values, top_ids)]
+    result = []
+    for i, (token, value, rank, values, ids) in enumerate(zip(*host, strict=True)):
+        entry = {token: Logprob(value, rank)}
+        for r in range(params[i].logprobs or 0):
+            entry.setdefault(ids[r], Logprob(values[r], r + 1))
+        result.append(entry)
     return result

@@ -38,7 +38,8 @@ class Llama:
         self.lm_head = self.embed if lm_head is None else lm_head
         self.layers = [_layer(weights, i) for i in range(config.num_layers)]
         cos, sin = rope_cos_sin(config.rope, config.head_dim, max_positions)
-        self.cos, self.sin = cos.to(self.embed.dtype), sin.to(self.embed.dtype)
+        on = dict(device=self.embed.device, dtype=self.embed.dtype)
+        self.cos, self.sin = cos.to(**on), sin.to(**on)
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
     def forward(
