@@ -7,6 +7,8 @@ batch generating to its longest request). Output tokens/s counts only the tokens
 for. Prints a table and writes bench/results/engine_cpu.json.
 
     python bench/bench_engine.py [--skip-serial] [--dtype float32|bfloat16]
+    python bench/bench_engine.py --device cuda --shape 1b --requests 256 --dtype bfloat16 \
+        --skip-serial --out DIR          # the GPU run of bench/gpu_check.sh
 """
 
 from __future__ import annotations
@@ -24,22 +26,46 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.demo import write_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
-MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
-             vocab_size=4096, max_position_embeddings=1024)  # fmt: skip
+SHAPES = {
+    "25m": dict(
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=1536,
+        vocab_size=4096,
+        max_position_embeddings=1024,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+    ),
+}
+MODEL = SHAPES["25m"]
 
 
-def workload(count: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(count: int = 64, seed: int = 0, vocab: int = 4096) -> list[tuple[list[int], int]]:
+    """Prompts of 16-256 tokens and outputs of 16-128 tokens, drawn uniformly."""
     g = torch.Generator().manual_seed(seed)
     requests = []
     for _ in range(count):
         prompt_len = int(torch.randint(16, 257, (1,), generator=g))
         output_len = int(torch.randint(16, 129, (1,), generator=g))
-        requests.append((torch.randint(0, 4096, (prompt_len,), generator=g).tolist(), output_len))
+        requests.append((torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), output_len))
     return requests
 
 
-def run_engine(model_dir: Path, requests, dtype: str, serial: bool = False) -> float:
-    llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048)
+def run_engine(model_dir: Path, requests, dtype: str, device: str, serial: bool = False) -> float:
+    seqs = 256 if device == "cuda" else 64
+    tokens = 8192 if device == "cuda" else 2048
+    llm = LLM(
+        str(model_dir), dtype=dtype, device=device, max_num_seqs=seqs, max_num_batched_tokens=tokens
+    )
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
@@ -49,17 +75,23 @@ def run_engine(model_dir: Path, requests, dtype: str, serial: bool = False) -> f
             llm.generate([p], [s], use_tqdm=False)
     else:
         llm.generate(prompts, params, use_tqdm=False)
+    _sync(device)
     return time.perf_counter() - start
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 @torch.inference_mode()
-def run_transformers(model_dir: Path, requests, dtype: str, batch_size: int = 16) -> float:
+def run_transformers(model_dir: Path, requests, dtype: str, device: str, batch_size: int) -> float:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype)
     )
-    model.eval()
+    model.to(device).eval()
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
@@ -70,8 +102,15 @@ def run_transformers(model_dir: Path, requests, dtype: str, batch_size: int = 16
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         new = max(n for _, n in batch)
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                       min_new_tokens=new, pad_token_id=0)  # fmt: skip
+        model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
+    _sync(device)
     return time.perf_counter() - start
 
 
@@ -84,42 +123,51 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": torch.get_num_threads(), "torch": torch.__version__}
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": torch.get_num_threads(), "torch": torch.__version__, "gpu": gpu}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", default="25m", choices=sorted(SHAPES))
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--skip-serial", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    requests = workload()
+    shape = SHAPES[args.shape]
+    requests = workload(args.requests, vocab=shape["vocab_size"])
     output_tokens = sum(n for _, n in requests)
+    hf = f"transformers generate, batches of {args.hf_batch}"
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_checkpoint(Path(tmp) / "m", **MODEL)
-        rows["nanoserve LLM.generate"] = run_engine(model_dir, requests, args.dtype)
-        rows["transformers generate, batches of 16"] = run_transformers(
-            model_dir, requests, args.dtype
-        )
+        model_dir = write_checkpoint(Path(tmp) / "m", dtype=args.dtype, **shape)
+        rows["nanoserve LLM.generate"] = run_engine(model_dir, requests, args.dtype, args.device)
+        rows[hf] = run_transformers(model_dir, requests, args.dtype, args.device, args.hf_batch)
         if not args.skip_serial:
             rows["nanoserve, one request at a time"] = run_engine(
-                model_dir, requests, args.dtype, serial=True
+                model_dir, requests, args.dtype, args.device, serial=True
             )
-    base = rows["transformers generate, batches of 16"]
-    print(f"\n{len(requests)} requests, {output_tokens} output tokens, {args.dtype}")
+    base = rows[hf]
+    print(f"\n{len(requests)} requests, {output_tokens} output tokens, {args.shape} {args.dtype}")
     print(f"{'':40} {'seconds':>8} {'out tok/s':>10} {'vs transformers':>16}")
     for name, seconds in rows.items():
         print(f"{name:40} {seconds:8.2f} {output_tokens / seconds:10.1f} {base / seconds:15.2f}x")
-    RESULTS.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "machine": machine(),
+        "device": args.device,
+        "shape": args.shape,
         "dtype": args.dtype,
         "requests": len(requests),
         "output_tokens": output_tokens,
         "seconds": rows,
         "output_tokens_per_s": {k: output_tokens / v for k, v in rows.items()},
     }
-    (RESULTS / f"engine_cpu_{args.dtype}.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = f"engine_{args.device}_{args.shape}_{args.dtype}.json"
+    (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the paged-attention kernels: the kernel tests on CUDA, the GPU benchmark and a sweep of
-# Triton launch configs, everything (logs, JSON, plots, a status line per step) written to OUT_DIR.
+# GPU check: the kernel tests and the engine tests on CUDA, the kernel benchmark, offline throughput
+# of a Llama-3.2-1B-shaped random model beside transformers, and a sweep of Triton launch configs;
+# everything (logs, JSON, plots, a status line per step) written to OUT_DIR.
 #
 #   bench/gpu_check.sh OUT_DIR
 #
 # Needs no network: uses the machine's python (PYTHON=... to choose) with its torch and triton, builds
-# the C module in place if setuptools and gcc are there, and imports nanoserve.kernels through a
-# throw-away package folder (so that nothing is installed and the engine's dependencies are not
-# needed). A failing step is recorded and the next one runs; the script ends within about 8 minutes.
+# the C module in place if setuptools and gcc are there, and imports nanoserve from a throw-away
+# package folder (so that nothing is installed; the engine steps need safetensors, tokenizers,
+# jinja2 and tqdm, which come with transformers). A failing step is recorded and the next one runs;
+# the script ends within about 8 minutes.
 set -euo pipefail
 
 OUT=${1:?usage: bench/gpu_check.sh OUT_DIR}
@@ -59,7 +61,8 @@ try:
     print("triton", triton.__version__)
 except ImportError as e:
     print("no triton:", e)
-for mod in ("pytest", "matplotlib", "setuptools", "numpy"):
+for mod in ("pytest", "matplotlib", "setuptools", "numpy", "transformers", "safetensors",
+            "tokenizers", "jinja2", "tqdm"):
     try:
         print(mod, __import__(mod).__version__)
     except ImportError:
@@ -69,11 +72,10 @@ EOF
   git -C "$REPO" log -1 --format='commit %H %s' 2>/dev/null || true
 }
 
-# nanoserve.kernels without installing: a package folder whose kernels/ is this repo's kernels/.
+# nanoserve without installing: a package folder of src/nanoserve whose kernels/ is this repo's kernels/.
 SHIM=$(mktemp -d)
 trap 'rm -rf "$SHIM"' EXIT
-mkdir -p "$SHIM/nanoserve"
-echo '"""nanoserve.kernels only (bench/gpu_check.sh)."""' >"$SHIM/nanoserve/__init__.py"
+cp -r "$REPO/src/nanoserve" "$SHIM/nanoserve"
 ln -s "$REPO/kernels" "$SHIM/nanoserve/kernels"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -86,14 +88,22 @@ step import 60 "$PY" -c "from nanoserve import kernels; print(kernels.available_
 # The kernel tests, CUDA cases included; the interpreter subprocess is CI's job (slow, CPU only).
 # -c /dev/null and --noconftest: the tests need neither the project's pytest settings nor its plugins.
 if "$PY" -c "import pytest" 2>/dev/null; then
-  step tests 200 "$PY" -m pytest tests/test_kernels.py -c /dev/null --rootdir "$REPO" --noconftest \
+  step tests 110 "$PY" -m pytest tests/test_kernels.py -c /dev/null --rootdir "$REPO" --noconftest \
     -p no:cacheprovider -k "not interpreter" -rA --durations=15 --junitxml="$OUT/tests.xml"
 else
   echo "tests skipped: pytest is not installed" | tee -a "$STATUS"
 fi
 
-step bench 240 "$PY" bench/bench_kernels.py --device cuda --out "$OUT"
-step sweep 150 "$PY" bench/bench_kernels.py --device cuda --sweep --out "$OUT"
+# The engine on CUDA: greedy against transformers, graphs against eager, pool sizing.
+if "$PY" -c "import pytest" 2>/dev/null; then
+  step engine_tests 100 "$PY" -m pytest tests/test_cuda.py tests/test_decode_graphs.py -c /dev/null \
+    --rootdir "$REPO" -p no:cacheprovider -rA --junitxml="$OUT/engine_tests.xml"
+fi
+
+step bench 120 "$PY" bench/bench_kernels.py --device cuda --out "$OUT"
+step engine_bench 170 "$PY" bench/bench_engine.py --device cuda --shape 1b --requests 256 \
+  --dtype bfloat16 --hf-batch 32 --skip-serial --out "$OUT"
+step sweep 90 "$PY" bench/bench_kernels.py --device cuda --sweep --out "$OUT"
 
 echo "== status"
 cat "$STATUS"

@@ -1,7 +1,24 @@
-"""nanoserve: a small LLM inference server for Llama-family models."""
+"""nanoserve: a small LLM inference server for Llama-family models.
 
-from nanoserve.llm import LLM
-from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.sampling import SamplingParams
+`LLM`, `SamplingParams` and the output types are imported on first use, so that
+`nanoserve.kernels` can be imported alone (the GPU check does) without the engine's dependencies.
+"""
+
+from typing import Any
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+_HOMES = {
+    "LLM": "nanoserve.llm",
+    "CompletionOutput": "nanoserve.outputs",
+    "RequestOutput": "nanoserve.outputs",
+    "SamplingParams": "nanoserve.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOMES[name]), name)

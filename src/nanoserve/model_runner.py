@@ -25,6 +25,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
         mc = model_config
+        self._baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
         positions = config.max_model_len or mc.max_position_embeddings
         weights = load_weights(model_dir, config.torch_dtype, self.device)
         self.model = Llama(mc, weights, positions)
@@ -58,7 +59,6 @@ class ModelRunner:
     def _profile_cuda(self) -> int:
         """Blocks that fit in `gpu_memory_utilization` of the device after the weights and the
         activations of the largest step (measured with a warm-up forward)."""
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = self.config.max_num_batched_tokens
         bs = self.config.block_size
@@ -86,12 +86,14 @@ class ModelRunner:
         with torch.inference_mode():
             self.model.forward(ids, torch.arange(tokens, device=self.device), caches, meta, rows)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - sum(
-            k.numel() * k.element_size() * 2 for k, _ in caches
-        )
+        # This engine's weights and activations, without the warm-up cache or other engines.
+        peak = torch.cuda.max_memory_allocated(self.device) - self._baseline
+        peak -= sum(k.numel() * k.element_size() * 2 for k, _ in caches)
         del caches
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = total * self.config.gpu_memory_utilization - peak
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = min(total * self.config.gpu_memory_utilization - peak, free * 0.95)
         if budget < self.block_bytes:
             raise ValueError(
                 f"no room for the KV cache: {peak / 2**30:.1f} GiB used by weights and activations "
