@@ -33,13 +33,13 @@ class DecodeGraphs:
         self.device = kv_caches[0][0].device
         self.sizes = [s for s in BATCH_SIZES if s <= config.max_num_seqs] or [config.max_num_seqs]
         largest, width = self.sizes[-1], -(-max_model_len // config.block_size)
-        on = dict(device=self.device)
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, **on)
-        self.positions = torch.zeros(largest, dtype=torch.int64, **on)
-        self.slots = torch.full((largest,), -1, dtype=torch.int64, **on)
-        self.tables = torch.zeros(largest, width, dtype=torch.int32, **on)
-        self.lens = torch.ones(largest, dtype=torch.int32, **on)
-        self.rows = torch.arange(largest, **on)
+        on = self.device
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=on)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=on)
+        self.slots = torch.full((largest,), -1, dtype=torch.int64, device=on)
+        self.tables = torch.zeros(largest, width, dtype=torch.int32, device=on)
+        self.lens = torch.ones(largest, dtype=torch.int32, device=on)
+        self.rows = torch.arange(largest, device=on)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, batch: list[ScheduledRequest]) -> bool:

@@ -26,7 +26,7 @@ def allocate_cache(
     block_size: int,
     head_dim: int,
     dtype: torch.dtype,
-    device: str,
+    device: str | torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, keys and values shaped [num_blocks, num_kv_heads, block_size, head_dim]."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)

@@ -32,11 +32,14 @@ class Metrics:
             p + "request_success", "Requests finished, by reason", ["finished_reason"], registry=r
         )
         self.aborted = Counter(p + "requests_aborted", "Requests aborted", registry=r)
-        hist = dict(buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token", **hist)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Between output tokens", **hist)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", **hist)
-        self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to first run", **hist)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(p + name, doc, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Between output tokens")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first run")
         self._last: dict[str, tuple[int, float]] = {}  # request -> (tokens seen, when)
         self._generated = 0
         self._preempted = 0
@@ -48,11 +51,14 @@ class Metrics:
         self.aborted.inc()
         self._last.pop(request_id, None)
 
-    def on_step(self, state: dict[str, int], seconds: float) -> None:
+    def on_state(self, state: dict[str, int]) -> None:
+        """Gauges, from the engine task's snapshot after every change."""
         self.running.set(state["running"])
         self.waiting.set(state["waiting"])
         total = state["total_blocks"]
         self.kv_usage.set((total - state["free_blocks"]) / total)
+
+    def on_step(self, state: dict[str, int]) -> None:
         self.generation_tokens.inc(state["generation_tokens"] - self._generated)
         self._generated = state["generation_tokens"]
         self.preemptions.inc(state["num_preemptions"] - self._preempted)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -118,7 +117,7 @@ class Serving:
             yield delivery.outputs()
         finally:
             self._open.pop(request_id, None)
-            if not delivery.finished:
+            if delivery.latest is None or not delivery.latest.finished:  # failed or left early
                 # Synchronous: an await here would raise at once inside a cancelled scope.
                 self._send.send_nowait(_Abort(request_id))
 
@@ -155,7 +154,7 @@ class Serving:
                 await self._step()
 
     def _drain(self) -> list[str]:
-        aborts = []
+        aborts: list[str] = []
         while True:
             try:
                 message = self._inbox.receive_nowait()
@@ -182,6 +181,8 @@ class Serving:
         self._snapshot()
 
     def _abort(self, request_id: str) -> None:
+        # Whatever the last step produced for it is moot: its caller has gone.
+        self._pending = [o for o in self._pending if o.request_id != request_id]
         output = self.engine.abort(request_id)
         if output is not None:
             self.metrics.on_abort(request_id)
@@ -196,7 +197,6 @@ class Serving:
                 delivery.put(output)
 
     async def _step(self) -> None:
-        started = time.monotonic()
         try:
             outputs = await trio.to_thread.run_sync(self.engine.step, thread_name="engine-step")
         except Exception as e:
@@ -206,7 +206,7 @@ class Serving:
         self.steps += 1
         self._pending.extend(outputs)
         self._snapshot()
-        self.metrics.on_step(self.state, time.monotonic() - started)
+        self.metrics.on_step(self.state)
 
     def _fail_all(self, reason: str) -> None:
         """A failed step, or a schedule that cannot progress: every open request fails, the
@@ -234,6 +234,7 @@ class Serving:
             "peak_running": stats.peak_running,
             "generation_tokens": engine.num_generated_tokens,
         }
+        self.metrics.on_state(self.state)
 
     def close(self, reason: str = "the server is shutting down") -> None:
         """Fail every request still open (their handlers end cleanly); call at shutdown, after

@@ -38,8 +38,8 @@ class Llama:
         self.lm_head = self.embed if lm_head is None else lm_head
         self.layers = [_layer(weights, i) for i in range(config.num_layers)]
         cos, sin = rope_cos_sin(config.rope, config.head_dim, max_positions)
-        on = dict(device=self.embed.device, dtype=self.embed.dtype)
-        self.cos, self.sin = cos.to(**on), sin.to(**on)
+        self.cos = cos.to(device=self.embed.device, dtype=self.embed.dtype)
+        self.sin = sin.to(device=self.embed.device, dtype=self.embed.dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
     def forward(

@@ -1,0 +1,384 @@
+"""The OpenAI API's request and response bodies (pydantic), with vLLM's extra sampling fields.
+
+Requests are strict: a wrong type, a missing field or an unknown field is an `InvalidRequest`
+naming the field (a 400); a known parameter that would change the answer and is not implemented
+is refused by name, never accepted and ignored. Responses mirror OpenAI's shapes. Owns nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from nanoserve.sampling import SamplingParams
+
+MAX_N = 16  # completions per prompt: each one is a sequence in the batch
+MAX_LOGPROBS = 20
+
+
+class InvalidRequest(Exception):
+    """A request this server will not run; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by both endpoints: OpenAI's, then vLLM's extras, then harmless ones."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    # Harmless: bookkeeping that does not change the answer.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Would change the answer and are not implemented: declared only to be refused by name.
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    response_format: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
+
+    def refused(self) -> str | None:
+        """The first set parameter that would change the answer and is not implemented."""
+        unsupported = {
+            "logit_bias": bool(self.logit_bias),
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "guided_json": self.guided_json is not None,
+            "guided_regex": self.guided_regex is not None,
+            "guided_choice": self.guided_choice is not None,
+            "guided_grammar": self.guided_grammar is not None,
+            "structured_outputs": self.structured_outputs is not None,
+            "response_format": (self.response_format or {"type": "text"}) != {"type": "text"},
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        return next((name for name, used in unsupported.items() if used), None)
+
+    def check(self) -> None:
+        if name := self.refused():
+            raise InvalidRequest(f"{name} is not supported by this server", name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", "stream")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:  # SamplingParams names the field first: "min_tokens must be ..."
+            raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of is not supported (only best_of == n)", "best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported by this server", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest(
+                "echo together with logprobs is not supported (prompt logprobs are not computed)",
+                "echo",
+            )
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list of strings or a list of token id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequest("prompt is empty", "prompt")
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # other part types are refused below
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[ContentPart] | None) -> Any:
+        for part in content if isinstance(content, list) else []:
+            if part.type != "text" or part.text is None:
+                raise ValueError(
+                    f"content parts of type {part.type!r} are not supported: text only"
+                )
+        return content
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # harmless without tools
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
+    continue_final_message: bool = False
+    echo: bool = False
+
+    def refused(self) -> str | None:
+        unsupported = {
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none"),
+            "audio": self.audio is not None,
+            "modalities": (self.modalities or ["text"]) != ["text"],
+            "prediction": self.prediction is not None,
+            "reasoning_effort": self.reasoning_effort is not None,
+            "web_search_options": self.web_search_options is not None,
+            "continue_final_message": self.continue_final_message,
+            "echo": self.echo,
+        }
+        own = next((name for name, used in unsupported.items() if used), None)
+        return super().refused() or own
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse(model: type[_GenerationRequest], body: str | bytes) -> Any:
+    """Validate a JSON body into `model`, then refuse what this server does not do."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as e:
+        raise _invalid(e) from None
+    request.check()
+    return request
+
+
+_UNION_TAG = re.compile(r"\W")  # pydantic names union members like "list[str]"
+_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text content parts",
+}
+
+
+def _invalid(error: ValidationError) -> InvalidRequest:
+    first = error.errors(include_url=False)[0]
+    path: list[str] = []
+    for part in first["loc"]:
+        if isinstance(part, str) and (_UNION_TAG.search(part) or part in ("str", "int")):
+            shape = _SHAPES.get(path[-1] if path else "")
+            message = f"{path[-1]} must be {shape}" if shape else f"{path[-1]} has the wrong type"
+            return InvalidRequest(message, ".".join(path))
+        path.append(str(part))
+    param = ".".join(path) or None
+    if first["type"] == "json_invalid":
+        return InvalidRequest(f"the body is not valid JSON: {first['msg']}")
+    if first["type"] == "extra_forbidden":
+        return InvalidRequest(f"unrecognized request argument supplied: {param}", param)
+    if first["type"] == "missing":
+        return InvalidRequest(f"{param} is required", param)
+    if param is None:
+        return InvalidRequest(f"the body must be a JSON object: {first['msg']}")
+    return InvalidRequest(f"{param}: {first['msg']}", param)
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or token id that ended it
+
+
+class CompletionResponse(BaseModel):
+    """A unary completion, and (with usage None) one chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}; {} at the end
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "nanoserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
