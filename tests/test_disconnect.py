@@ -8,7 +8,7 @@ first four tests. Counts come from the server itself (/health and /metrics).
 """
 
 import pytest
-from http_util import hang_up, live_server, open_request, read_until
+from nanoserve.harness import hang_up, live_server, open_request, read_until
 
 BUDGET = 1500  # tokens each departing request asks for
 AFTER_HANG_UP = 16  # tokens the engine may still generate once the client is gone

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import trio
-from http_util import (
+from nanoserve.harness import (
     MODEL_NAME,
     LiveServer,
     live_server,
