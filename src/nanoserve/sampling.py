@@ -125,10 +125,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
     come back to the host once, together with the logprobs asked for."""
     raw = logits
     logits = _apply_penalties_and_bans(logits, rows)
-    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
+    tokens = logits.argmax(dim=-1)  # the greedy rows' answer; sampled rows are overwritten
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
