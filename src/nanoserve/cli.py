@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
     _add_serve(commands)
     args = parser.parse_args(argv)
     return _serve(args) if args.command == "serve" else _generate(args)
@@ -37,7 +38,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    srv.add_argument("--device", default="cpu", choices=["cpu"])
+    srv.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (weights in bf16/fp16)")
+    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                     help="CUDA: share of device memory for weights and KV cache")
     srv.add_argument("--block-size", type=int, default=16)
     srv.add_argument("--num-kv-blocks", type=int, default=None, help="overrides the memory size")
     srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
@@ -70,6 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
             num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )  # fmt: skip
         if args.max_queue is not None and args.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -97,7 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             max_tokens=args.max_tokens, seed=args.seed,
         )  # fmt: skip
-        llm = LLM(model, dtype=args.dtype)
+        llm = LLM(model, dtype=args.dtype, device=args.device)
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     except (ValueError, FileNotFoundError) as e:
         print(f"nanoserve: {e}", file=sys.stderr)
