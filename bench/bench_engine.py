@@ -114,6 +114,67 @@ def run_transformers(model_dir: Path, requests, dtype: str, device: str, batch_s
     return time.perf_counter() - start
 
 
+def floors(model_dir: Path, requests, dtype: str) -> dict:
+    """What the machine allows: a batch-1 decode step against weight bytes / read bandwidth, the
+    workload's matmul FLOPs against the measured matmul rate, and the engine's own Python share
+    of a batch-32 decode step (the step with the model replaced by ready-made logits)."""
+    torch_dtype = getattr(torch, dtype)
+    big = torch.ones(2**27)  # 512 MiB, far past the caches
+    read_bw = len(big) * 4 / _best(lambda: big.sum())
+    a = torch.randn(2048, 2048, dtype=torch_dtype)
+    matmul = 2 * 2048**3 / _best(lambda: a @ a)
+    llm = LLM(str(model_dir), dtype=dtype)
+    engine, c = llm.engine, llm.engine.model_config
+    weights = engine.runner.model.layers
+    layer_params = sum(w.numel() for layer in weights for w in vars(layer).values())
+    head_params = c.vocab_size * c.hidden_size
+    weight_bytes = (layer_params + head_params) * torch_dtype.itemsize
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    output_tokens = sum(n for _, n in requests)
+    flops = 2 * layer_params * (prompt_tokens + output_tokens) + 2 * head_params * output_tokens
+    step1 = _decode_step_ms(engine, 1)
+    step32 = _decode_step_ms(engine, 32)
+    logits = torch.zeros(32, c.vocab_size)
+    engine.runner.forward = lambda batch: logits[: len(batch)]
+    python32 = _decode_step_ms(engine, 32)
+    return {
+        "read_bandwidth_gb_s": read_bw / 1e9,
+        "matmul_gflop_s": matmul / 1e9,
+        "weight_bytes": weight_bytes,
+        "batch1_step_ms": step1,
+        "batch1_floor_ms": weight_bytes / read_bw * 1e3,
+        "workload_matmul_gflop": flops / 1e9,
+        "workload_floor_s": flops / matmul,
+        "batch32_step_ms": step32,
+        "batch32_engine_python_ms": python32,
+    }
+
+
+def _best(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _decode_step_ms(engine, batch: int, steps: int = 30) -> float:
+    params = SamplingParams(temperature=0, max_tokens=steps + 5, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"floor-{batch}-{i}", list(range(1, 129)), params)
+    while any(r.in_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - start) / steps * 1e3
+    for i in range(batch):
+        engine.abort(f"floor-{batch}-{i}")
+    return elapsed
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -150,13 +211,32 @@ def main() -> None:
             rows["nanoserve, one request at a time"] = run_engine(
                 model_dir, requests, args.dtype, args.device, serial=True
             )
+        limits = floors(model_dir, requests, args.dtype) if args.device == "cpu" else {}
     base = rows[hf]
     print(f"\n{len(requests)} requests, {output_tokens} output tokens, {args.shape} {args.dtype}")
     print(f"{'':40} {'seconds':>8} {'out tok/s':>10} {'vs transformers':>16}")
     for name, seconds in rows.items():
         print(f"{name:40} {seconds:8.2f} {output_tokens / seconds:10.1f} {base / seconds:15.2f}x")
+    if limits:
+        ceiling = output_tokens / limits["workload_floor_s"]
+        print(
+            f"\nfloor by matmul FLOPs ({limits['matmul_gflop_s']:.0f} GFLOP/s measured): "
+            f"{limits['workload_floor_s']:.2f} s, {ceiling:.0f} out tok/s"
+        )
+        print(
+            f"batch-1 decode step {limits['batch1_step_ms']:.2f} ms; floor "
+            f"{limits['batch1_floor_ms']:.2f} ms ({limits['weight_bytes'] / 1e6:.0f} MB of weights "
+            f"at {limits['read_bandwidth_gb_s']:.1f} GB/s read): "
+            f"{limits['batch1_step_ms'] / limits['batch1_floor_ms']:.2f}x the floor"
+        )
+        print(
+            f"batch-32 decode step {limits['batch32_step_ms']:.2f} ms, of which the engine's own "
+            f"Python {limits['batch32_engine_python_ms']:.2f} ms "
+            f"({limits['batch32_engine_python_ms'] / limits['batch32_step_ms']:.1%})"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
+        "floors": limits,
         "machine": machine(),
         "device": args.device,
         "shape": args.shape,
