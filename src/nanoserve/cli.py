@@ -39,8 +39,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     srv.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (weights in bf16/fp16)")
-    srv.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                     help="CUDA: share of device memory for weights and KV cache")
+    srv.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: share of device memory for weights and KV cache",
+    )
     srv.add_argument("--block-size", type=int, default=16)
     srv.add_argument("--num-kv-blocks", type=int, default=None, help="overrides the memory size")
     srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")

@@ -64,14 +64,17 @@ class Engine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
+        arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; raises RequestRejected (naming the field) if it could never run."""
+        """Queue a request; raises RequestRejected (naming the field) if it could never run.
+        `arrival_time` (time.monotonic) defaults to now; a server passes when the client asked."""
         params = params or SamplingParams()
         if request_id in self.groups:
             raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self.check_request(token_ids, params)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        arrived = arrival_time if arrival_time is not None else time.monotonic()
         group = []
         for index in range(params.n):
             seed = base_seed if index == 0 else mix_seed(base_seed, -index)
@@ -79,9 +82,11 @@ class Engine:
                 self.tokenizer, token_ids, params.skip_special_tokens, params.stop
             )
             rid = request_id if params.n == 1 else f"{request_id}-{index}"
-            group.append(
-                Request(rid, request_id, index, token_ids, params, seed, max_tokens, detokenizer)
+            request = Request(
+                rid, request_id, index, token_ids, params, seed, max_tokens, detokenizer
             )
+            request.arrival_time = arrived
+            group.append(request)
         self.groups[request_id] = group
         for request in group:
             self.scheduler.add(request)
