@@ -24,8 +24,24 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Kernel and engine benchmarks; results and plots land in bench/results/."""
+    """Kernel, engine and serving benchmarks; results and plots land in bench/results/."""
     session.install(TORCH)
     session.install("-e", ".[bench]")
     session.run("python", "bench/bench_kernels.py", *session.posargs)
     session.run("python", "bench/bench_engine.py")
+    session.run("python", "bench/plot.py")  # bench_engine.py writes JSON only
+    session.run("python", "bench/bench_serving.py")
+    # Long prompts among short ones: inter-token latency with and without chunked prefill.
+    mix = ["--rate", "4", "--concurrency", "--requests", "32", "--prompt-len", "16", "1800",
+           "--max-num-batched-tokens", "256"]  # fmt: skip
+    session.run("python", "bench/bench_serving.py", *mix, "--name", "chunked")
+    session.run("python", "bench/bench_serving.py", *mix, "--no-chunked-prefill", "--name", "whole")
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Random clients against a live server for a few minutes (not in CI; `-- --seconds 60` for
+    a shorter run). Fails on any 5xx or leaked KV block; writes bench/results/soak.json."""
+    session.install(TORCH)
+    session.install("-e", ".[bench]")
+    session.run("python", "bench/soak.py", *session.posargs)

@@ -84,6 +84,12 @@ def parse_args() -> argparse.Namespace:
         default=1.0,
         help="the loop ticker's sleep; 0 spins (and competes with the engine thread)",
     )
+    p.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="run each prompt's prefill whole instead of in chunks of the token budget",
+    )
+    p.add_argument("--name", default="", help="suffix of the result files (serving_cpu_NAME)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args()  # fmt: skip
@@ -454,6 +460,7 @@ async def sweep(model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill,
     )
     loads = [("rate", r) for r in args.rate] + [("concurrency", c) for c in args.concurrency]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -496,6 +503,7 @@ def main() -> None:
             "engine": {
                 "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
+                "chunked_prefill": not args.no_chunked_prefill,
             },
             "tick_ms": args.tick_ms,
             "seed": args.seed,
@@ -513,7 +521,7 @@ def main() -> None:
         "points": points,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"serving_{args.device.split(':')[0]}"
+    stem = args.out / "_".join(filter(None, ["serving", args.device.split(":")[0], args.name]))
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and .png ({wall:.0f} s)")

@@ -8,6 +8,7 @@ first four tests. Counts come from the server itself (/health and /metrics).
 """
 
 import pytest
+
 from nanoserve.harness import hang_up, live_server, open_request, read_until
 
 BUDGET = 1500  # tokens each departing request asks for

@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 import trio
+
+from nanoserve import LLM, SamplingParams
 from nanoserve.harness import (
     MODEL_NAME,
     LiveServer,
@@ -26,8 +28,6 @@ from nanoserve.harness import (
     read_until,
     sse_data,
 )
-
-from nanoserve import LLM, SamplingParams
 
 BLOCKS = 256  # 4096 tokens of KV: max_model_len is the model's 2048
 PROMPT = "She wrote the weather"  # the tiny model's greedy answer is ASCII: " m m m gull m..."

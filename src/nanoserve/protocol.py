@@ -253,18 +253,19 @@ _SHAPES = {
 
 def _invalid(error: ValidationError) -> InvalidRequest:
     first = error.errors(include_url=False)[0]
+    if first["type"] == "extra_forbidden":  # the last part is the client's own name, any name
+        name = ".".join(str(part) for part in first["loc"])
+        return InvalidRequest(f"unrecognized request argument supplied: {name}", name)
     path: list[str] = []
     for part in first["loc"]:
-        if isinstance(part, str) and (_UNION_TAG.search(part) or part in ("str", "int")):
-            shape = _SHAPES.get(path[-1] if path else "")
+        if path and isinstance(part, str) and (_UNION_TAG.search(part) or part in ("str", "int")):
+            shape = _SHAPES.get(path[-1])
             message = f"{path[-1]} must be {shape}" if shape else f"{path[-1]} has the wrong type"
             return InvalidRequest(message, ".".join(path))
         path.append(str(part))
     param = ".".join(path) or None
     if first["type"] == "json_invalid":
         return InvalidRequest(f"the body is not valid JSON: {first['msg']}")
-    if first["type"] == "extra_forbidden":
-        return InvalidRequest(f"unrecognized request argument supplied: {param}", param)
     if first["type"] == "missing":
         return InvalidRequest(f"{param} is required", param)
     if param is None:

@@ -75,7 +75,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, dividing float32 logits by the temperature overflows: argmax is the answer.
+        return self.temperature < 1e-5
 
     @property
     def penalized(self) -> bool:
@@ -149,9 +150,10 @@ def _apply_penalties_and_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), device=row.device)
             values = row[seen]
-            row[seen] = torch.where(
+            penalized = torch.where(
                 values > 0, values / p.repetition_penalty, values * p.repetition_penalty
             )
+            row[seen] = penalized.clamp(max=torch.finfo(row.dtype).max)  # a tiny penalty: no inf
         if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
             output = torch.tensor(r.output_ids, device=row.device)
             counts = torch.bincount(output, minlength=row.shape[0])

@@ -1,0 +1,340 @@
+"""Soak: random clients against a live server for a bounded time, then the bill.
+
+A real Hypercorn server (nanoserve.harness.live_server, in this process so that its memory and its
+KV ledger can be read) on the demo model. Clients arrive at a steady mean rate (Poisson), each with
+random parameters: completions or chat, streamed or unary, greedy or sampled (temperature, seed,
+top_p, top_k), stop strings, n, logprobs, max_tokens; some hang up at a random point, a few send a
+deliberately bad request. The pool is small enough that the engine preempts.
+
+    python bench/soak.py [--seconds 180] [--rate 6] [--seed 0] [--model DIR]
+
+Prints a table; writes bench/results/soak.json (and soak.png with matplotlib). Exits 1 if any
+request got a 5xx (or a stream an error event), the server dropped a connection, a client hung,
+or a KV block leaked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from nanoserve.crowd import WORDS
+from nanoserve.demo import demo_model_dir
+from nanoserve.harness import MODEL_NAME, LiveServer, live_server, sse_data
+
+RESULTS = Path(__file__).parent / "results"
+C, X = "/v1/completions", "/v1/chat/completions"
+# The clients' outcomes.
+COUNTS = [
+    "served",
+    "hung_up",
+    "4xx_expected",
+    "4xx_unexpected",
+    "refused_503",
+    "5xx",
+    "bad_accepted",
+    "broken",
+    "stuck",
+]
+# What the server says at the end.
+BILL = [
+    "preemptions",
+    "recomputed_tokens",
+    "generation_tokens",
+    "peak_running",
+    "blocks_total",
+    "blocks_leaked",
+    "audit",
+]
+# From /health, once a second.
+SAMPLED = ["running", "waiting", "free_blocks", "generation_tokens"]
+DRAIN_S = 60.0  # after the last arrival, how long clients still in flight may take
+BAD = [  # (field, value): each must be a 400
+    ("temperature", -1),
+    ("n", 0),
+    ("max_tokens", 10**9),
+    ("top_p", 0),
+    ("logprobs", 99),
+    ("stop", [""]),
+    ("repeat_penalty", 1.1),
+    ("stop_token_ids", [10**6]),
+]
+
+
+@dataclass
+class Plan:
+    path: str
+    body: dict[str, Any]
+    hang_up_after_s: float | None = None  # leave after this long (any client)
+    hang_up_after_events: int | None = None  # streamed: leave after this many events
+    bad: bool = False  # expects a 400
+
+
+def random_plan(rng: random.Random, hang_up_rate: float, bad_rate: float) -> Plan:
+    chat, stream = rng.random() < 0.5, rng.random() < 0.5
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": rng.randint(1, 128)}
+    body["stream"] = stream
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    body.update(_sampling(rng, chat))
+    if stream and rng.random() < 0.5:
+        body["stream_options"] = {"include_usage": True}
+    plan = Plan(X if chat else C, body)
+    if rng.random() < bad_rate:
+        name, value = rng.choice(BAD)
+        body[name], plan.bad = value, True
+    elif rng.random() < hang_up_rate:
+        if stream and rng.random() < 0.5:
+            plan.hang_up_after_events = rng.randint(1, 10)
+        else:
+            plan.hang_up_after_s = rng.uniform(0.0, 1.0)
+    return plan
+
+
+def _sampling(rng: random.Random, chat: bool) -> dict[str, Any]:
+    params: dict[str, Any] = {"n": rng.choice([1, 1, 1, 2, 3])}
+    if rng.random() < 0.3:
+        params["temperature"] = 0
+    else:
+        params["temperature"] = round(rng.uniform(0.2, 1.5), 2)
+        for name, value in (
+            ("seed", rng.randint(0, 2**31)),
+            ("top_p", round(rng.uniform(0.5, 1), 2)),
+            ("top_k", rng.randint(1, 50)),
+        ):
+            if rng.random() < 0.5:
+                params[name] = value
+    if rng.random() < 0.3:
+        params["stop"] = rng.sample(WORDS, rng.randint(1, 3))
+    if rng.random() < 0.3:
+        if chat:
+            params.update(logprobs=True, top_logprobs=rng.randint(0, 5))
+        else:
+            params["logprobs"] = rng.randint(0, 5)
+    if rng.random() < 0.3:
+        params["ignore_eos"] = True
+    return params
+
+
+@dataclass
+class Tally:
+    outcomes: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)  # what each 5xx or broken answer was
+
+    def fail(self, kind: str, detail: str) -> None:
+        self.outcomes[kind] += 1
+        if len(self.failures) < 20:
+            self.failures.append(f"{kind}: {detail[:300]}")
+
+
+async def run_client(http: httpx.AsyncClient, plan: Plan, tally: Tally) -> None:
+    """One client; its outcome lands in `tally`."""
+    try:
+        await _request(http, plan, tally)
+    except httpx.TransportError as e:  # the server closed or reset a connection it should not
+        tally.fail("broken", f"{type(e).__name__}: {e} ({plan.body})")
+
+
+async def _request(http: httpx.AsyncClient, plan: Plan, tally: Tally) -> None:
+    with trio.move_on_after(plan.hang_up_after_s or float("inf")) as leave:
+        async with http.stream("POST", plan.path, json=plan.body) as response:
+            if response.status_code != 200 or not plan.body["stream"]:
+                _judge(plan, response.status_code, await response.aread(), tally)
+                return
+            data = b""
+            async for chunk in response.aiter_raw():
+                data += chunk
+                if _leaves_now(plan, data):
+                    tally.outcomes["hung_up"] += 1
+                    return  # leaving the block closes the connection mid-stream
+            _judge(plan, 200, data, tally)
+    if leave.cancelled_caught:
+        tally.outcomes["hung_up"] += 1
+
+
+def _leaves_now(plan: Plan, data: bytes) -> bool:
+    limit = plan.hang_up_after_events
+    return limit is not None and data.count(b"data: ") >= limit and b"data: [DONE]" not in data
+
+
+def _judge(plan: Plan, status: int, raw: bytes, tally: Tally) -> None:
+    if status == 503 and b'"overloaded"' in raw:
+        tally.outcomes["refused_503"] += 1
+    elif status >= 500:
+        tally.fail("5xx", f"{status} {raw!r}")
+    elif status >= 400:
+        tally.outcomes["4xx_expected" if plan.bad and status == 400 else "4xx_unexpected"] += 1
+        if not plan.bad:
+            tally.failures.append(f"4xx: {plan.body} -> {raw[:200]!r}")
+    elif plan.bad:
+        tally.fail("bad_accepted", repr(plan.body))
+    elif plan.body["stream"]:
+        events = sse_data(raw)
+        if not events or events[-1] != "[DONE]" or any('"error"' in e[:10] for e in events):
+            tally.fail("5xx", f"stream ended badly: {events[-2:]}")
+        else:
+            tally.outcomes["served"] += 1
+    elif all(c["finish_reason"] for c in json.loads(raw)["choices"]):
+        tally.outcomes["served"] += 1
+    else:
+        tally.fail("5xx", f"unfinished answer: {raw[:200]!r}")
+
+
+def rss_mb() -> float:
+    """Resident memory of this process (the server runs in it), from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def sample_state(server: LiveServer, samples: list[dict[str, float]], t0: float) -> None:
+    while True:
+        health = await server.health()
+        state = {key: health[key] for key in SAMPLED}
+        samples.append({"t": time.monotonic() - t0, "rss_mb": rss_mb(), **state})
+        await trio.sleep(1.0)
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    engine = dict(num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
+    tally, samples = Tally(), []
+    async with live_server(args.model, max_queue=args.max_queue, **engine) as server:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=16)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            await http.post(C, json={"prompt": "warm up", "max_tokens": 4})  # first-call costs
+            rss_start, before, t0 = rss_mb(), await server.health(), time.monotonic()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sample_state, server, samples, t0)
+                arrivals = await _arrive(http, args, rng, tally)
+                nursery.cancel_scope.cancel()
+            wall = time.monotonic() - t0
+        leaked, audit = await _pool_bill(server)
+        after = await server.health()
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "wall_s": round(wall, 1),
+        "arrivals": arrivals,
+        **{key: tally.outcomes[key] for key in COUNTS},
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "recomputed_tokens": after["num_recomputed_tokens"] - before["num_recomputed_tokens"],
+        "generation_tokens": after["generation_tokens"] - before["generation_tokens"],
+        "peak_running": after["peak_running"],
+        "blocks_total": after["total_blocks"],
+        "blocks_leaked": leaked,
+        "audit": audit,
+        "rss_mb_start": round(rss_start, 1),
+        "rss_mb_end": round(rss_mb(), 1),
+        "failures": tally.failures,
+        "samples": samples,
+    }
+
+
+async def _arrive(
+    http: httpx.AsyncClient, args: argparse.Namespace, rng: random.Random, tally: Tally
+) -> int:
+    """Start clients at Poisson arrivals for args.seconds; wait (bounded) for them to end."""
+    arrivals, deadline = 0, trio.current_time() + args.seconds
+    async with trio.open_nursery() as clients:
+        while trio.current_time() < deadline:
+            plan = random_plan(rng, args.hang_up_rate, args.bad_rate)
+            clients.start_soon(run_client, http, plan, tally)
+            arrivals += 1
+            await trio.sleep(rng.expovariate(args.rate))
+        with trio.move_on_after(DRAIN_S):
+            while len(clients.child_tasks):
+                await trio.sleep(0.05)
+        tally.outcomes["stuck"] += len(clients.child_tasks)
+        clients.cancel_scope.cancel()
+    return arrivals
+
+
+async def _pool_bill(server: LiveServer) -> tuple[int, str]:
+    """Blocks still held once the server is idle (bounded wait), and the ledger audit."""
+    try:
+        health = await server.wait_idle()
+    except trio.TooSlowError:
+        health = await server.health()
+        return health["total_blocks"] - health["free_blocks"], "never idle: not audited"
+    try:
+        server.engine.audit()  # safe: the engine task is idle, asleep on its inbox
+        audit = "ok"
+    except Exception as e:  # the report names it, and the exit code fails
+        audit = f"{type(e).__name__}: {e}"
+    return health["total_blocks"] - health["free_blocks"], audit
+
+
+def report(result: dict[str, Any], out: Path) -> None:
+    keys = ["wall_s", "arrivals", *COUNTS, *BILL, "rss_mb_start", "rss_mb_end"]
+    print(f"\nsoak: {result['config']['seconds']} s at {result['config']['rate']}/s")
+    for key in keys:
+        print(f"  {key:<20} {result[key]}")
+    for failure in result["failures"]:
+        print(f"  ! {failure}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    _plot(result, out / "soak.png")
+    print(f"wrote {out / 'soak.json'}")
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    t = [s["t"] for s in result["samples"]]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 5))
+    top.plot(t, [s["rss_mb"] for s in result["samples"]])
+    top.set_ylabel("RSS (MB)")
+    for key in ("running", "waiting"):
+        bottom.plot(t, [s[key] for s in result["samples"]], label=key)
+    bottom.set(xlabel="seconds", ylabel="requests")
+    bottom.legend()
+    top.set_title(
+        f"soak: {result['arrivals']} arrivals, {result['served']} served, "
+        f"{result['hung_up']} hung up, {result['5xx']} 5xx"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=180.0, help="arrival window")
+    parser.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", type=Path, default=None, help="default: the demo model")
+    parser.add_argument("--num-kv-blocks", type=int, default=32, help="small: forces preemption")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-queue", type=int, default=None, help="503 past this many waiting")
+    parser.add_argument("--hang-up-rate", type=float, default=0.2)
+    parser.add_argument("--bad-rate", type=float, default=0.05)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    args.model = args.model or demo_model_dir()
+    result = trio.run(soak, args)
+    report(result, args.out)
+    bad = ("5xx", "bad_accepted", "broken", "stuck", "blocks_leaked")
+    ok = not any(result[key] for key in bad)
+    return 0 if ok and result["audit"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
