@@ -109,11 +109,12 @@ class Scheduler:
         return (request.num_prompt_tokens - 1) // bs * bs
 
     def _chunk(self, wanted: int, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """How many of `wanted` tokens fit this step. Without chunked prefill a long prompt waits
-        for a step of its own, and then runs whole even past the budget."""
+        """How many of `wanted` tokens fit this step. Without chunked prefill one prompt per step
+        may run whole past the budget (beside the decodes): long prompts never wait for an empty
+        batch, and the decodes pay for them with a slow step."""
         if self.enable_chunked_prefill:
             return min(wanted, budget)
-        if wanted <= budget or not scheduled:
+        if wanted <= budget or not any(item.num_new_tokens > 1 for item in scheduled):
             return wanted
         return 0
 
