@@ -12,7 +12,6 @@ import socket
 
 import pytest
 import trio
-from test_server import _chat_ids, _serve_command  # the `nanoserve serve` subprocess helper
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.crowd import check_pool_returned
@@ -20,10 +19,12 @@ from nanoserve.harness import (
     MODEL_NAME,
     WAIT_S,
     LiveServer,
+    chat_token_ids,
     live_server,
     open_request,
     post_bytes,
     read_until,
+    serve_command,
     sse_data,
 )
 
@@ -50,7 +51,7 @@ def _expected(offline, path, body):
     """The offline answer to one greedy-or-seeded completion or chat body."""
     sampling = {k: body[k] for k in ("temperature", "top_p", "seed") if k in body}
     limit = body.get("max_tokens") or body["max_completion_tokens"]
-    prompt = body["prompt"] if path == C else _chat_ids(offline.tokenizer, body["messages"])
+    prompt = body["prompt"] if path == C else chat_token_ids(offline.tokenizer, body["messages"])
     return offline(prompt, max_tokens=limit, **sampling)
 
 
@@ -320,7 +321,7 @@ async def test_sigterm_under_load_ends_every_stream_cleanly_and_the_process_exit
     with an error event and [DONE], and the unary request gets a whole OpenAI-shaped answer.
     (test_server.py covers each of the two obstacles alone.)"""
     model_dir = tiny_model_factory(max_position_embeddings=16384)
-    async with _serve_command(model_dir, "--num-kv-blocks", "8500") as (proc, server):
+    async with serve_command(model_dir, "--num-kv-blocks", "8500") as (proc, server):
         assert (await server.http.get("/v1/models")).status_code == 200  # then idle, kept alive
         stalled = trio.socket.socket()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -9,9 +9,6 @@ test_disconnect.py.
 import json
 import signal
 import socket
-import subprocess
-import sys
-from contextlib import asynccontextmanager
 
 import httpx
 import openai
@@ -21,11 +18,12 @@ import trio
 from nanoserve import LLM, SamplingParams
 from nanoserve.harness import (
     MODEL_NAME,
-    LiveServer,
+    chat_token_ids,
     live_server,
     open_request,
     post_bytes,
     read_until,
+    serve_command,
     sse_data,
 )
 
@@ -60,10 +58,6 @@ async def client(server):
         base_url=server.url + "/v1", api_key="unused", max_retries=0
     ) as c:
         yield c
-
-
-def _chat_ids(tokenizer, messages):
-    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 
 
 def _joined(chunks, n=1):
@@ -112,7 +106,7 @@ async def test_streamed_completion_joins_to_the_same_text_with_usage_last(client
 
 async def test_chat_unary_and_streamed_match_the_offline_engine(client, offline):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
-    ids = _chat_ids(offline.tokenizer, messages)
+    ids = chat_token_ids(offline.tokenizer, messages)
     expected = offline({"prompt_token_ids": ids}, temperature=0, max_tokens=10).outputs[0]
     r = await client.chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0
@@ -450,35 +444,6 @@ async def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
 # -- the command line ------------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def _serve_command(model_dir, *flags):
-    """`nanoserve serve MODEL_DIR --port 0 ...` in a subprocess; yields (process, client) once
-    it logged its ready line. The client's connection stays open (idle keep-alive)."""
-    command = [sys.executable, "-m", "nanoserve.cli", "serve", str(model_dir), "--port", "0",
-               "--num-kv-blocks", "1100", *flags]  # fmt: skip
-    proc = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
-    try:
-        log = b""
-        with trio.fail_after(60):
-            while b"ready: " not in log:
-                chunk = await proc.stderr.receive_some()
-                assert chunk, log.decode()
-                log += chunk
-        url = log.split(b"ready: ", 1)[1].split()[0].decode()
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        async with httpx.AsyncClient(base_url=url) as http:
-            server = LiveServer(url, host, int(port), None, None, None, http)  # type: ignore[arg-type]
-            try:
-                yield proc, server
-            finally:
-                for stream in server.raw:
-                    await stream.aclose()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
 async def test_serve_command_answers_then_exits_on_sigterm_despite_open_connections(
     tiny_model_factory,
 ):
@@ -487,7 +452,7 @@ async def test_serve_command_answers_then_exits_on_sigterm_despite_open_connecti
     a long while: the stream ends cleanly (an error event, then [DONE]) and the process exits
     within the grace period."""
     model_dir = tiny_model_factory(max_position_embeddings=16384)
-    async with _serve_command(model_dir) as (proc, server):
+    async with serve_command(model_dir) as (proc, server):
         models = (await server.http.get("/v1/models")).json()
         assert models["data"][0]["id"] == str(model_dir)
         body = {"prompt": PROMPT, "stream": True, **LONG, "max_tokens": 16000}
@@ -507,7 +472,7 @@ async def test_serve_command_exits_on_sigterm_despite_a_client_that_stopped_read
     """A client that stops reading a long stream blocks Hypercorn's (shielded) socket write, and
     with it a graceful shutdown: the watchdog exits anyway, a few seconds past the grace."""
     model_dir = tiny_model_factory(max_position_embeddings=16384)
-    async with _serve_command(model_dir, "--num-kv-blocks", "8500") as (proc, server):
+    async with serve_command(model_dir, "--num-kv-blocks", "8500") as (proc, server):
         sock = trio.socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a tiny window
         await sock.connect((server.host, server.port))

@@ -9,6 +9,8 @@ import json
 import re
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.server import DEFAULT_MAX_BODY_BYTES, create_app
 from nanoserve.serving import Serving
+from nanoserve.tokenizer import Tokenizer
 
 MODEL_NAME = "tiny"
 WAIT_S = 30.0  # bound of every wait for the server to reach a state
@@ -158,3 +161,39 @@ def sse_data(raw: bytes) -> list[str]:
     """The `data:` payloads of an SSE response read off the socket (each event is one chunk of
     the chunked body, so the framing never splits one)."""
     return [m.decode() for m in re.findall(rb"data: (.*?)\n\n", raw)]
+
+
+def chat_token_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt ids the server computes for a chat request (the template carries the BOS)."""
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+@asynccontextmanager
+async def serve_command(model_dir: Path, *flags: str) -> AsyncIterator[tuple[Any, LiveServer]]:
+    """`nanoserve serve MODEL_DIR --port 0 ...` in a subprocess; yields (process, client) once
+    it logged its ready line. The client's connection stays open (idle keep-alive). The
+    LiveServer has no in-process engine: only its HTTP side is usable."""
+    command = [sys.executable, "-m", "nanoserve.cli", "serve", str(model_dir), "--port", "0",
+               "--num-kv-blocks", "1100", *flags]  # fmt: skip
+    proc = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    try:
+        log = b""
+        with trio.fail_after(60):
+            while b"ready: " not in log:
+                chunk = await proc.stderr.receive_some()
+                assert chunk, log.decode()
+                log += chunk
+        url = log.split(b"ready: ", 1)[1].split()[0].decode()
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        async with httpx.AsyncClient(base_url=url) as http:
+            server = LiveServer(url, host, int(port), None, None, None, http)  # type: ignore[arg-type]
+            try:
+                yield proc, server
+            finally:
+                for stream in server.raw:
+                    await stream.aclose()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
