@@ -1,4 +1,5 @@
-"""Builds the C paged-attention kernel (kernels/csrc) as nanoserve.kernels._C at install time.
+"""Builds the C kernels (kernels/csrc: paged attention, small-M linear) as nanoserve.kernels._C
+at install time.
 
 -march=native tunes the kernel for the building machine (right for `pip install -e .`); set
 NANOSERVE_MARCH (e.g. x86-64-v3) to build a module that runs on other machines.
@@ -14,7 +15,7 @@ setup(
     ext_modules=[
         Extension(
             "nanoserve.kernels._C",
-            sources=["kernels/csrc/paged_attention.c"],
+            sources=["kernels/csrc/paged_attention.c", "kernels/csrc/linear.c"],
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.
             extra_compile_args=[
                 "-O3",

@@ -72,6 +72,28 @@ def store_kv(
     impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+SMALL_LINEAR_DTYPES = (torch.float32, torch.bfloat16)
+SMALL_LINEAR_MAX_ROWS = 4
+
+
+def small_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[m, n] = sum_k x[m, k] * w[n, k] (torch.nn.functional.linear without bias) for a few rows.
+
+    x [M, K], w [N, K], float32 or bfloat16 (the same), CPU, contiguous; out [M, N] of x's dtype.
+    For M <= 4 the C kernel streams w at memory speed (MKL's GEMV does not), accumulating in
+    float32 in an order that depends on neither M nor the thread count, so results are bitwise
+    reproducible and batch invariant. Without the C module, or for M > 4, torch's F.linear.
+    """
+    _check_small_linear(x, w, out)
+    if not c_backend.AVAILABLE or not 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+        result = torch.nn.functional.linear(x, w)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+    c_backend.small_linear(x, w, out)
+    return out
+
+
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
     """The explicit backends that can run on tensors of this device here."""
     names = ["torch"]
@@ -228,6 +250,28 @@ def _check_store(key, value, k_cache, v_cache, slot_mapping) -> None:
     _check_device(
         key.device, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
     )
+
+
+def _check_small_linear(x, w, out) -> None:
+    _check_tensor("x", x, "[M, K]")
+    _check_tensor("w", w, "[N, K]")
+    _check_dtype("x", x, SMALL_LINEAR_DTYPES)
+    if w.dtype != x.dtype:
+        raise TypeError(f"w dtype {w.dtype} differs from x dtype {x.dtype}")
+    for name, t in (("x", x), ("w", w)):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got one on {t.device}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w has K = {w.shape[1]} columns, x has K = {x.shape[1]}")
+    if out is not None:
+        _check_tensor("out", out, "[M, N]")
+        expected = (x.shape[0], w.shape[0])
+        if tuple(out.shape) != expected:
+            raise ValueError(f"out shape {tuple(out.shape)} differs from [M, N] = {expected}")
+        if out.dtype != x.dtype:
+            raise TypeError(f"out dtype {out.dtype} differs from x dtype {x.dtype}")
+        if out.device.type != "cpu":
+            raise ValueError(f"out must be a CPU tensor, got one on {out.device}")
 
 
 def _check_table_values(

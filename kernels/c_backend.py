@@ -1,7 +1,7 @@
 """The C backend: hands data pointers, sizes and a dtype code to the compiled module _C.
 
-_C is built from csrc/paged_attention.c by `pip install` (setup.py); it may be missing, and then
-AVAILABLE is False and BUILD_HINT says why and how to build it.
+_C is built from csrc/paged_attention.c and csrc/linear.c by `pip install` (setup.py); it may be
+missing, and then AVAILABLE is False and BUILD_HINT says why and how to build it.
 """
 
 import torch
@@ -75,4 +75,17 @@ def store_kv(
         num_blocks,
         key.element_size(),
         int(slot_mapping.dtype == torch.int64),
+    )
+
+
+def small_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    _C.small_linear(
+        out.data_ptr(),
+        x.data_ptr(),
+        w.data_ptr(),
+        x.shape[0],
+        w.shape[0],
+        x.shape[1],
+        DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
     )

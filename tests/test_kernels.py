@@ -397,3 +397,99 @@ def test_triton_on_cpu_in_interpreter():
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
+
+
+# small_linear: F.linear for M <= 4 rows (the CPU decode GEMV).
+
+LINEAR_SHAPES = [(1, 1), (7, 13), (33, 100), (130, 517), (5, 16), (4, 0), (257, 1536)]
+
+
+def linear_case(gen, m, n, k, dtype):
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    return x, w
+
+
+def assert_linear_close(out, x, w):
+    """Within float32 summation error of the float64 reference, plus the output's rounding."""
+    ref = x.double() @ w.double().T
+    bound = 2e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    if out.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * ref.abs()
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {float((err - bound).max())} over the bound"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n,k", LINEAR_SHAPES)
+def test_small_linear_matches_float64_reference(gen, dtype, m, n, k):
+    x, w = linear_case(gen, m, n, k, dtype)
+    assert_linear_close(kernels.small_linear(x, w), x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 4, 5])
+def test_small_linear_fills_poisoned_out(gen, dtype, m):
+    x, w = linear_case(gen, m, 37, 131, dtype)
+    out = torch.full((m, 37), float("nan"), dtype=dtype)
+    result = kernels.small_linear(x, w, out=out)
+    assert result is out and bool(out.isfinite().all())
+    assert_linear_close(out, x, w)
+
+
+@pytest.mark.skipif(not c_backend.AVAILABLE, reason="C module not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_linear_is_deterministic_and_batch_invariant(gen, dtype):
+    """One summation order per out[m, n]: the same bits for any M, row block or thread count."""
+    x, w = linear_case(gen, 4, 263, 777, dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.small_linear(x, w)
+        torch.set_num_threads(2)
+        two = kernels.small_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    for m in range(1, 4):
+        assert torch.equal(kernels.small_linear(x[:m], w), one[:m])
+    for i in range(4):
+        assert torch.equal(kernels.small_linear(x[i : i + 1], w), one[i : i + 1])
+    assert torch.equal(kernels.small_linear(x[:1], w[5:100]), one[:1, 5:100])
+
+
+def test_small_linear_without_c_module(gen, monkeypatch):
+    monkeypatch.setattr(c_backend, "AVAILABLE", False)
+    x, w = linear_case(gen, 2, 19, 45, torch.float32)
+    assert_linear_close(kernels.small_linear(x, w), x, w)
+
+
+def _linear_args(gen) -> dict:
+    x, w = linear_case(gen, 2, 6, 8, torch.float32)
+    return dict(x=x, w=w, out=torch.empty(2, 6))
+
+
+@pytest.mark.parametrize(
+    "name,bad,error,words",
+    [
+        ("x", [[1.0]], TypeError, "x must be a torch.Tensor"),
+        ("x", torch.zeros(2, 8, 1), ValueError, r"x must be \[M, K\]"),
+        ("x", torch.zeros(8, 2).T, ValueError, "x must be contiguous"),
+        ("x", torch.zeros(2, 8, dtype=torch.float16), TypeError, "x dtype must be one of"),
+        ("w", torch.zeros(6, 8, dtype=torch.bfloat16), TypeError, "w dtype .* differs from x"),
+        ("w", torch.zeros(6), ValueError, r"w must be \[N, K\]"),
+        ("w", torch.zeros(8, 6).T, ValueError, "w must be contiguous"),
+        ("w", torch.zeros(6, 9), ValueError, "w has K = 9 columns, x has K = 8"),
+        ("w", torch.zeros(6, 8, device="meta"), ValueError, "w must be a CPU tensor"),
+        ("out", torch.zeros(2, 7), ValueError, "out shape"),
+        ("out", torch.zeros(2, 6, dtype=torch.bfloat16), TypeError, "out dtype"),
+        ("out", torch.zeros(6, 2).T, ValueError, "out must be contiguous"),
+    ],
+)
+def test_small_linear_rejects_bad_arguments(gen, name, bad, error, words):
+    args = _linear_args(gen)
+    args[name] = bad
+    with pytest.raises(error, match=words):
+        kernels.small_linear(**args)

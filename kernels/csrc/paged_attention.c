@@ -477,6 +477,8 @@ static PyObject *py_openmp_max_threads(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(omp_get_max_threads());
 }
 
+PyObject *nanoserve_small_linear(PyObject *self, PyObject *args); /* linear.c */
+
 static PyMethodDef methods[] = {
     {"paged_attention_decode", py_paged_attention_decode, METH_VARARGS,
      "paged_attention_decode(out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, "
@@ -485,13 +487,16 @@ static PyMethodDef methods[] = {
     {"store_kv", py_store_kv, METH_VARARGS,
      "store_kv(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, "
      "block_size, num_blocks, elem_size, slots_are_int64): pointers as ints."},
+    {"small_linear", nanoserve_small_linear, METH_VARARGS,
+     "small_linear(out, x, w, M, N, K, dtype_code, num_threads): out[m, n] = sum_k x[m, k] * "
+     "w[n, k] for M <= 4 rows, float32 (0) or bfloat16 (1); pointers as ints."},
     {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS,
      "omp_get_max_threads() of the OpenMP runtime this module is bound to."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_C", "Paged-attention decode and KV store, C11 + OpenMP.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_C", "Paged-attention decode, KV store and small-M linear, C11 + OpenMP.", -1, methods,
     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }
