@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from machine import cpu_model
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.demo import write_checkpoint
@@ -176,14 +176,7 @@ def _decode_step_ms(engine, batch: int, steps: int = 30) -> float:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": torch.get_num_threads(), "torch": torch.__version__, "gpu": gpu}
 

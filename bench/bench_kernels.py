@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import cpu_model
 
 import nanoserve.kernels as kernels
 from nanoserve.kernels import c_backend
@@ -77,11 +78,11 @@ def machine(device: torch.device) -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
-        "device_name": _cpu_model(),
+        "device_name": cpu_model(),
     }
     if c_backend.AVAILABLE:
         info["c_openmp_max_threads"] = c_backend._C.openmp_max_threads()
@@ -100,16 +101,6 @@ def machine(device: torch.device) -> dict:
             cuda=torch.version.cuda,
         )
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ---------------------------------------------------------------- inputs

@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 import torch
 import trio
+from machine import cpu_model
 
 from nanoserve.demo import write_checkpoint
 from nanoserve.harness import MODEL_NAME, LiveServer, live_server
@@ -361,16 +362,8 @@ def print_table(points: list[dict[str, Any]]) -> None:
 
 
 def machine(device: str) -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
