@@ -1,4 +1,4 @@
-"""Builds the C kernels (kernels/csrc: paged attention, small-M linear) as nanoserve.kernels._C
+"""Builds the C kernels (kernels/csrc: paged attention, small-M linear, RMSNorm, RoPE) as nanoserve.kernels._C
 at install time.
 
 -march=native tunes the kernel for the building machine (right for `pip install -e .`); set
@@ -15,7 +15,11 @@ setup(
     ext_modules=[
         Extension(
             "nanoserve.kernels._C",
-            sources=["kernels/csrc/paged_attention.c", "kernels/csrc/linear.c"],
+            sources=[
+                "kernels/csrc/paged_attention.c",
+                "kernels/csrc/linear.c",
+                "kernels/csrc/norm_rope.c",
+            ],
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.
             extra_compile_args=[
                 "-O3",

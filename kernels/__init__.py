@@ -3,7 +3,8 @@
 paged_attention_decode reads the paged KV cache ([num_blocks, num_kv_heads, block_size, head_dim]);
 store_kv writes new tokens into it. backend="auto" picks Triton for CUDA tensors and the C kernel
 for CPU tensors (falling back to torch, with a warning, when the C module is not built).
-small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory speed on the CPU.
+small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory speed on the CPU;
+rms_norm and rope_ do Llama's RMSNorm and rotary embedding in one C call each on the CPU.
 """
 
 from .api import (
@@ -12,6 +13,8 @@ from .api import (
     BackendUnavailableError,
     available_backends,
     paged_attention_decode,
+    rms_norm,
+    rope_,
     small_linear,
     store_kv,
 )
@@ -22,6 +25,8 @@ __all__ = [
     "BackendUnavailableError",
     "available_backends",
     "paged_attention_decode",
+    "rms_norm",
+    "rope_",
     "small_linear",
     "store_kv",
 ]

@@ -94,6 +94,64 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
     return out
 
 
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Llama's RMSNorm of each row: weight * (x / sqrt(mean(x^2) + eps)), computed in float32.
+
+    x [rows, hidden], weight [hidden], both of one dtype, contiguous. CPU float32 and bfloat16 go
+    to the C kernel (one call instead of six torch ops); anything else to torch.
+    """
+    _check_tensor("x", x, "[rows, hidden]")
+    _check_tensor("weight", weight, "[hidden]")
+    if weight.shape[0] != x.shape[1] or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(
+            f"weight must be [hidden] = [{x.shape[1]}] of x's dtype and device, got "
+            f"{tuple(weight.shape)} {weight.dtype} on {weight.device}"
+        )
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor of x's shape and dtype")
+    _cpu_ops(x).rms_norm(x, weight, eps, out)
+    return out
+
+
+def rope_(
+    qk: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotary embedding, in place, of the first `heads` heads of each row of qk; returns qk.
+
+    qk [tokens, width] with rows of contiguous elements (a column slice of the fused q/k/v
+    projection is fine), width >= heads * head_dim; positions [tokens] int64; cos and sin
+    [max_positions, head_dim] tables of qk's dtype (rotate-half layout, as in transformers).
+    """
+    if qk.dim() != 2 or qk.stride(1) != 1:
+        raise ValueError("qk must be [tokens, width] with contiguous rows")
+    _check_tensor("cos", cos, "[max_positions, head_dim]")
+    _check_tensor("sin", sin, "[max_positions, head_dim]")
+    _check_tensor("positions", positions, "[tokens]")
+    _check_dtype("positions", positions, (torch.int64,))
+    head_dim = cos.shape[1]
+    if sin.shape != cos.shape or cos.dtype != qk.dtype or sin.dtype != qk.dtype or head_dim % 2:
+        raise ValueError("cos and sin must be [max_positions, even head_dim] of qk's dtype")
+    if heads * head_dim > qk.shape[1] or positions.shape[0] != qk.shape[0]:
+        raise ValueError(
+            f"qk {tuple(qk.shape)} must hold {heads} heads of {head_dim} for each of "
+            f"{positions.shape[0]} positions"
+        )
+    _check_device(qk.device, positions=positions, cos=cos, sin=sin)
+    _cpu_ops(qk).rope_(qk, heads, positions, cos, sin)
+    return qk
+
+
+def _cpu_ops(x: torch.Tensor) -> ModuleType:
+    """The C module for CPU float32/bfloat16 tensors when it is built; otherwise torch."""
+    if x.device.type == "cpu" and x.dtype in SMALL_LINEAR_DTYPES and c_backend.AVAILABLE:
+        return c_backend
+    return torch_ref
+
+
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
     """The explicit backends that can run on tensors of this device here."""
     names = ["torch"]

@@ -1,6 +1,6 @@
 """The C backend: hands data pointers, sizes and a dtype code to the compiled module _C.
 
-_C is built from csrc/paged_attention.c and csrc/linear.c by `pip install` (setup.py); it may be
+_C is built from the files in csrc/ by `pip install` (setup.py); it may be
 missing, and then AVAILABLE is False and BUILD_HINT says why and how to build it.
 """
 
@@ -87,5 +87,36 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         w.shape[0],
         x.shape[1],
         DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    _C.rms_norm(
+        out.data_ptr(),
+        x.data_ptr(),
+        weight.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        float(eps),
+        DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
+
+
+def rope_(
+    qk: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    _C.rope(
+        qk.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        qk.shape[0],
+        heads,
+        cos.shape[1],
+        qk.stride(0),
+        cos.shape[0],
+        DTYPE_CODES[qk.dtype],
         torch.get_num_threads(),
     )

@@ -56,3 +56,21 @@ def store_kv(
     # Advanced indices around a slice: the indexed view is [tokens, kv_heads, head_dim], like key.
     k_cache[blocks, :, offsets] = key[keep]
     v_cache[blocks, :, offsets] = value[keep]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    # In float32 then back, as the reference Llama does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    torch.mul(weight, x32.to(x.dtype), out=out)
+
+
+def rope_(
+    qk: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    head_dim = cos.shape[1]
+    x = qk[:, : heads * head_dim].unflatten(1, (heads, head_dim))
+    half = head_dim // 2
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x.copy_(x * c + rotated * s)

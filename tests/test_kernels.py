@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import nanoserve.kernels as kernels
-from nanoserve.kernels import api, c_backend
+from nanoserve.kernels import api, c_backend, torch_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -493,3 +493,86 @@ def test_small_linear_rejects_bad_arguments(gen, name, bad, error, words):
     args[name] = bad
     with pytest.raises(error, match=words):
         kernels.small_linear(**args)
+
+
+# rms_norm and rope_: one C call each on the CPU, checked against the torch reference.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (3, 37), (40, 512)])
+def test_rms_norm_matches_torch(gen, dtype, rows, hidden):
+    x = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    expected = torch.empty_like(x)
+    torch_ref.rms_norm(x, weight, 1e-5, expected)
+    out = torch.full_like(x, float("nan"))
+    assert kernels.rms_norm(x, weight, 1e-5, out=out) is out
+    # Only the order of the sum of squares differs: float32 agrees to rounding, bf16 to one ulp.
+    tol = dict(rtol=2**-7, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_rope_matches_torch_in_place_on_a_column_slice(gen, dtype, rows):
+    """RoPE of the q and k heads of a fused q/k/v row (the v heads after them untouched)."""
+    heads, kv_heads, head_dim, table = 4, 2, 16, 100
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, table, (rows,), generator=gen)
+    angles = torch.rand(table, head_dim // 2, generator=gen) * 6
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(dtype) for f in (torch.cos, torch.sin))
+    expected = qkv.clone()
+    torch_ref.rope_(expected, heads + kv_heads, positions, cos, sin)
+    got = qkv.clone()
+    q_and_k = got[:, : (heads + kv_heads) * head_dim + 3]  # rows strided, wider than the heads
+    kernels.rope_(q_and_k, heads + kv_heads, positions, cos, sin)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    v = slice((heads + kv_heads) * head_dim, None)
+    assert torch.equal(got[:, v], qkv[:, v])
+
+
+@pytest.mark.skipif(not c_backend.AVAILABLE, reason="C module not built")
+def test_norm_and_rope_do_not_depend_on_rows_or_threads(gen):
+    x = torch.randn(40, 96, generator=gen)
+    weight, positions = torch.randn(96, generator=gen), torch.arange(40)
+    cos, sin = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            roped = kernels.rope_(x.clone(), 3, positions, cos, sin)
+            results.append((kernels.rms_norm(x, weight, 1e-6), roped))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(results[0], results[1], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(kernels.rms_norm(x[7:8], weight, 1e-6), results[0][0][7:8])
+    one_row = kernels.rope_(x[7:8].clone(), 3, positions[7:8], cos, sin)
+    assert torch.equal(one_row, results[0][1][7:8])
+
+
+def test_rope_rejects_a_position_past_the_table(gen):
+    qk = torch.randn(2, 32, generator=gen)
+    cos = sin = torch.ones(8, 16)
+    with pytest.raises(ValueError, match="positions"):
+        kernels.rope_(qk, 2, torch.tensor([3, 8]), cos, sin)
+
+
+@pytest.mark.parametrize(
+    "call,words",
+    [
+        (lambda: kernels.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-5), "weight must be"),
+        (lambda: kernels.rms_norm(torch.zeros(8), torch.zeros(8), 1e-5), r"x must be \[rows"),
+        (lambda: kernels.rope_(torch.zeros(2, 8).T, 1, torch.arange(8), *_tables(4)), "qk must"),
+        (lambda: kernels.rope_(torch.zeros(2, 8), 3, torch.arange(2), *_tables(4)), "must hold 3"),
+        (lambda: kernels.rope_(torch.zeros(2, 8), 2, torch.arange(2.0), *_tables(4)), "positions"),
+    ],
+)
+def test_norm_and_rope_reject_bad_arguments(call, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        call()
+
+
+def _tables(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(16, head_dim), torch.zeros(16, head_dim)

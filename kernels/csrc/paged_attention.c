@@ -478,6 +478,8 @@ static PyObject *py_openmp_max_threads(PyObject *self, PyObject *unused) {
 }
 
 PyObject *nanoserve_small_linear(PyObject *self, PyObject *args); /* linear.c */
+PyObject *nanoserve_rms_norm(PyObject *self, PyObject *args);     /* norm_rope.c */
+PyObject *nanoserve_rope(PyObject *self, PyObject *args);         /* norm_rope.c */
 
 static PyMethodDef methods[] = {
     {"paged_attention_decode", py_paged_attention_decode, METH_VARARGS,
@@ -490,13 +492,18 @@ static PyMethodDef methods[] = {
     {"small_linear", nanoserve_small_linear, METH_VARARGS,
      "small_linear(out, x, w, M, N, K, dtype_code, num_threads): out[m, n] = sum_k x[m, k] * "
      "w[n, k] for M <= 4 rows, float32 (0) or bfloat16 (1); pointers as ints."},
+    {"rms_norm", nanoserve_rms_norm, METH_VARARGS,
+     "rms_norm(out, x, w, rows, hidden, eps, dtype_code, num_threads): RMSNorm of each row."},
+    {"rope", nanoserve_rope, METH_VARARGS,
+     "rope(qk, positions, cos, sin, rows, heads, head_dim, row_stride, table_rows, dtype_code, "
+     "num_threads): rotary embedding in place; positions int64."},
     {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS,
      "omp_get_max_threads() of the OpenMP runtime this module is bound to."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_C", "Paged-attention decode, KV store and small-M linear, C11 + OpenMP.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_C", "Paged-attention decode, KV store, small-M linear, RMSNorm and RoPE; C11 + OpenMP.", -1, methods,
     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }

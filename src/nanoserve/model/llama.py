@@ -1,6 +1,7 @@
 """The Llama forward pass (Llama 3.x: RMSNorm, RoPE with llama3 scaling, GQA, SwiGLU) over packed
 tokens of many sequences and the paged KV cache. Owns the weights; q/k/v and gate/up projections
-are fused at load time so each layer does four matmuls.
+are fused at load time so each layer does four matmuls. RMSNorm and RoPE come from
+nanoserve.kernels (one C call each on the CPU, torch elsewhere).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from nanoserve.attention import AttentionMetadata, attention
 from nanoserve.config import ModelConfig, RopeConfig
-from nanoserve.kernels import small_linear
+from nanoserve.kernels import rms_norm, rope_, small_linear
 
 
 @dataclass
@@ -53,20 +54,20 @@ class Llama:
     ) -> torch.Tensor:
         c = self.config
         h = self.embed[input_ids]  # [num_tokens, hidden]
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        eps = c.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            q, k, v = linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            qkv = linear(rms_norm(h, layer.input_norm, eps), layer.qkv)
+            rope_(qkv, c.num_heads + c.num_kv_heads, positions, self.cos, self.sin)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.reshape(-1, c.num_heads, c.head_dim).contiguous()
+            k = k.reshape(-1, c.num_kv_heads, c.head_dim).contiguous()
             v = v.reshape(-1, c.num_kv_heads, c.head_dim).contiguous()
             a = attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + linear(a.view(-1, q_size), layer.o)
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            gate, up = linear(rms_norm(h, layer.post_norm, eps), layer.gate_up).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, layer.down)
-        h = rms_norm(h[logits_indices], self.norm, c.rms_norm_eps)
+        h = rms_norm(h[logits_indices], self.norm, eps)
         return linear(h, self.lm_head).float()  # [len(logits_indices), vocab]
 
 
@@ -93,19 +94,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if small and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
         return small_linear(x.contiguous(), w)
     return F.linear(x, w)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # In float32 then back, as the reference implementation does.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

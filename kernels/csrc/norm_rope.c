@@ -1,0 +1,147 @@
+/* RMSNorm and in-place rotary embedding for the CPU forward pass, float32 or bfloat16 tensors.
+ *
+ * In torch each is six or more small ops (pow, mean, rsqrt, mul, ...; slice, neg, cat, mul, add),
+ * which at decode batch sizes costs far more in dispatch than in arithmetic; here each is one
+ * call. Math is in float32 with fixed summation orders, so results do not depend on the number of
+ * rows or threads; bf16 values are rounded (to nearest even) where torch's ops would round them, so
+ * the two agree but for the order of RMSNorm's sum of squares.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { OPS_F32 = 0, OPS_BF16 = 1 };
+enum { NORM_LANES = 16, PARALLEL_ROWS = 16 };
+
+static inline float load(const void *p, Py_ssize_t i, int dtype) {
+    if (dtype == OPS_BF16) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+static inline void store(void *p, Py_ssize_t i, float f, int dtype) {
+    if (dtype != OPS_BF16) {
+        ((float *)p)[i] = f;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        u = (u >> 16) | 0x0040u; /* quiet NaN */
+    else
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
+    ((uint16_t *)p)[i] = (uint16_t)u;
+}
+
+static inline float round_to(float f, int dtype) {
+    if (dtype != OPS_BF16) return f;
+    uint16_t h;
+    store(&h, 0, f, dtype);
+    return load(&h, 0, dtype);
+}
+
+/* out[r] = w * dtype(x[r] / sqrt(mean(x[r]^2) + eps)), as the reference Llama computes it. */
+static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
+                          Py_ssize_t hidden, float eps, int dtype, int threads) {
+#pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const Py_ssize_t base = r * hidden;
+        float lanes[NORM_LANES] = {0};
+        Py_ssize_t i = 0;
+        for (; i + NORM_LANES <= hidden; i += NORM_LANES)
+            for (int l = 0; l < NORM_LANES; l++) {
+                const float v = load(x, base + i + l, dtype);
+                lanes[l] += v * v;
+            }
+        for (int l = 0; i + l < hidden; l++) {
+            const float v = load(x, base + i + l, dtype);
+            lanes[l] += v * v;
+        }
+        for (int width = NORM_LANES / 2; width > 0; width /= 2)
+            for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+        const float inv = 1.0f / sqrtf(lanes[0] / (float)hidden + eps);
+        for (Py_ssize_t j = 0; j < hidden; j++) {
+            const float normed = round_to(load(x, base + j, dtype) * inv, dtype);
+            store(out, base + j, load(w, j, dtype) * normed, dtype);
+        }
+    }
+}
+
+/* For each row t and each of `heads` heads of head_dim values starting at row t * row_stride:
+ * x <- x * cos[pos[t]] + rotate_half(x) * sin[pos[t]], rotate_half(x) = (-x2, x1). */
+static inline __attribute__((always_inline)) void rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,
+                      Py_ssize_t rows, Py_ssize_t heads, Py_ssize_t head_dim, Py_ssize_t row_stride,
+                      int dtype, int threads) {
+    const Py_ssize_t half = head_dim / 2;
+#pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
+    for (Py_ssize_t t = 0; t < rows; t++) {
+        const Py_ssize_t table = positions[t] * head_dim;
+        for (Py_ssize_t h = 0; h < heads; h++) {
+            const Py_ssize_t x = t * row_stride + h * head_dim;
+            for (Py_ssize_t i = 0; i < half; i++) {
+                const float a = load(qk, x + i, dtype), b = load(qk, x + half + i, dtype);
+                const float c1 = load(cos, table + i, dtype), s1 = load(sin, table + i, dtype);
+                const float c2 = load(cos, table + half + i, dtype);
+                const float s2 = load(sin, table + half + i, dtype);
+                /* rounded after each product, as torch's mul, mul, add are */
+                const float ac = round_to(a * c1, dtype), bs = round_to(-b * s1, dtype);
+                const float bc = round_to(b * c2, dtype), as = round_to(a * s2, dtype);
+                store(qk, x + i, ac + bs, dtype);
+                store(qk, x + half + i, bc + as, dtype);
+            }
+        }
+    }
+}
+
+PyObject *nanoserve_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long out, x, w;
+    Py_ssize_t rows, hidden;
+    float eps;
+    int dtype, threads;
+    if (!PyArg_ParseTuple(args, "KKKnnfii", &out, &x, &w, &rows, &hidden, &eps, &dtype, &threads))
+        return NULL;
+    void *o = (void *)(uintptr_t)out;
+    const void *xp = (const void *)(uintptr_t)x, *wp = (const void *)(uintptr_t)w;
+    Py_BEGIN_ALLOW_THREADS; /* a constant dtype in each call, so each loop is specialised */
+    if (dtype == OPS_BF16)
+        rms_norm_rows(o, xp, wp, rows, hidden, eps, OPS_BF16, threads);
+    else
+        rms_norm_rows(o, xp, wp, rows, hidden, eps, OPS_F32, threads);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+PyObject *nanoserve_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long qk, positions, cos, sin;
+    Py_ssize_t rows, heads, head_dim, row_stride, table_rows;
+    int dtype, threads;
+    if (!PyArg_ParseTuple(args, "KKKKnnnnnii", &qk, &positions, &cos, &sin, &rows, &heads,
+                          &head_dim, &row_stride, &table_rows, &dtype, &threads))
+        return NULL;
+    const int64_t *pos = (const int64_t *)(uintptr_t)positions;
+    for (Py_ssize_t t = 0; t < rows; t++)
+        if (pos[t] < 0 || pos[t] >= table_rows) {
+            PyErr_Format(PyExc_ValueError, "positions[%zd] = %lld is outside [0, %zd)", t,
+                         (long long)pos[t], table_rows);
+            return NULL;
+        }
+    void *x = (void *)(uintptr_t)qk;
+    const void *c = (const void *)(uintptr_t)cos, *s = (const void *)(uintptr_t)sin;
+    Py_BEGIN_ALLOW_THREADS;
+    if (dtype == OPS_BF16)
+        rope_rows(x, pos, c, s, rows, heads, head_dim, row_stride, OPS_BF16, threads);
+    else
+        rope_rows(x, pos, c, s, rows, heads, head_dim, row_stride, OPS_F32, threads);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
