@@ -7,11 +7,12 @@ nanoserve.kernels (one C call each on the CPU, torch elsewhere).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
+from nanoserve import hugepages
 from nanoserve.attention import AttentionMetadata, attention
 from nanoserve.config import ModelConfig, RopeConfig
 from nanoserve.kernels import rms_norm, rope_, small_linear
@@ -43,6 +44,17 @@ class Llama:
         self.cos = cos.to(device=self.embed.device, dtype=self.embed.dtype)
         self.sin = sin.to(device=self.embed.device, dtype=self.embed.dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        if self.embed.device.type == "cpu":
+            self._pack_weights()
+
+    def _pack_weights(self) -> None:
+        """Moves the weights into one huge-page mapping (nanoserve.hugepages)."""
+        names = [f.name for f in fields(Layer)]
+        tensors = [self.embed, self.lm_head, self.norm]
+        tensors += [getattr(layer, name) for layer in self.layers for name in names]
+        packed = iter(hugepages.pack(tensors))
+        self.embed, self.lm_head, self.norm = next(packed), next(packed), next(packed)
+        self.layers = [Layer(**{name: next(packed) for name in names}) for _ in self.layers]
 
     def forward(
         self,
