@@ -26,7 +26,7 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Kernel, engine and serving benchmarks; results and plots land in bench/results/."""
     session.install(TORCH)
-    session.install("-e", ".[bench]")
+    session.install("-e", ".[bench]")  # compiles llama-cpp-python the first time (minutes)
     session.run("python", "bench/bench_kernels.py", *session.posargs)
     session.run("python", "bench/bench_engine.py")
     session.run("python", "bench/plot.py")  # bench_engine.py writes JSON only

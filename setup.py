@@ -1,5 +1,5 @@
-"""Builds the C kernels (kernels/csrc: paged attention, small-M linear, RMSNorm, RoPE) as nanoserve.kernels._C
-at install time.
+"""Builds the C kernels (kernels/csrc: paged attention, small-M linear, RMSNorm, RoPE) as
+nanoserve.kernels._C at install time.
 
 -march=native tunes the kernel for the building machine (right for `pip install -e .`); set
 NANOSERVE_MARCH (e.g. x86-64-v3) to build a module that runs on other machines.

@@ -1,12 +1,16 @@
 """Offline throughput: nanoserve's LLM.generate beside transformers' generate on the same requests.
 
-Workload (issue 2): a random Llama of about 25M parameters (hidden 512, 8 layers, 8 heads, 2 KV
-heads, intermediate 1536, vocab 4096), 64 requests, prompts of 16-256 tokens, outputs of 16-128
-tokens, greedy, EOS ignored. transformers runs them in static batches of 16 (left padded, each
-batch generating to its longest request). Output tokens/s counts only the tokens each request asked
-for. Prints a table and writes bench/results/engine_cpu.json.
+Model: a random Llama of about 25M parameters (hidden 512, 8 layers, 8 heads, 2 KV heads,
+intermediate 1536, vocab 4096). Workloads, greedy with EOS ignored: "uniform" (issue 2: 64
+requests, prompts of 16-256 tokens, outputs of 16-128) and "chat" (conversations sharing a system
+prompt, each turn's prompt extending the last; see chat_workload). transformers runs the requests
+in static batches of 16 (left padded, each batch generating to its longest request); llama.cpp
+(when llama-cpp-python is installed; float32 only) decodes them all in one batch on the same
+checkpoint converted to GGUF f32 (bench/llamacpp.py). Output tokens/s counts only the tokens each
+request asked for. Prints tables and writes bench/results/engine_<device>_<shape>_<dtype>.json,
+with the floors the machine sets (see floors).
 
-    python bench/bench_engine.py [--skip-serial] [--dtype float32|bfloat16]
+    python bench/bench_engine.py [--skip-serial] [--skip-llamacpp] [--dtype float32|bfloat16]
     python bench/bench_engine.py --device cuda --shape 1b --requests 256 --dtype bfloat16 \
         --skip-serial --out DIR          # the GPU run of bench/gpu_check.sh
 """
@@ -57,6 +61,31 @@ def workload(count: int = 64, seed: int = 0, vocab: int = 4096) -> list[tuple[li
         prompt_len = int(torch.randint(16, 257, (1,), generator=g))
         output_len = int(torch.randint(16, 129, (1,), generator=g))
         requests.append((torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), output_len))
+    return requests
+
+
+def chat_workload(
+    conversations: int = 16, turns: int = 4, seed: int = 1, vocab: int = 4096
+) -> list[tuple[list[int], int]]:
+    """Chat-like traffic: every conversation opens with one shared 96-token system prompt, and turn
+    t's prompt is the conversation so far (earlier user messages of 16-64 tokens, each followed by
+    a stand-in reply of 32-96) plus a new user message; replies of 32-160 tokens. All turns are
+    submitted at once, so a server with prefix caching computes the shared parts once."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(low: int, high: int) -> list[int]:
+        return torch.randint(
+            0, vocab, (int(torch.randint(low, high + 1, (1,), generator=g)),), generator=g
+        ).tolist()
+
+    system = tokens(96, 96)
+    requests = []
+    for _ in range(conversations):
+        history = list(system)
+        for _ in range(turns):
+            history += tokens(16, 64)
+            requests.append((list(history), int(torch.randint(32, 161, (1,), generator=g))))
+            history += tokens(32, 96)
     return requests
 
 
@@ -160,25 +189,60 @@ def _best(fn, repeat: int = 5) -> float:
     return min(times)
 
 
-def _decode_step_ms(engine, batch: int, steps: int = 30) -> float:
-    params = SamplingParams(temperature=0, max_tokens=steps + 5, ignore_eos=True)
+def _decode_step_ms(engine, batch: int, steps: int = 20, rounds: int = 5) -> float:
+    """The best of `rounds` averages over `steps` decode steps of `batch` sequences (best, as the
+    bandwidth and matmul rates beside it are)."""
+    params = SamplingParams(temperature=0, max_tokens=steps * rounds + 5, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"floor-{batch}-{i}", list(range(1, 129)), params)
     while any(r.in_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = (time.perf_counter() - start) / steps * 1e3
+    averages = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        averages.append((time.perf_counter() - start) / steps * 1e3)
     for i in range(batch):
         engine.abort(f"floor-{batch}-{i}")
-    return elapsed
+    return min(averages)
 
 
 def machine() -> dict:
     cpu = cpu_model()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": torch.get_num_threads(), "torch": torch.__version__, "gpu": gpu}
+
+
+def run_workload(model_dir: Path, requests, args, serial: bool) -> dict:
+    """Every system on one workload: seconds and output tokens/s per row, printed as a table."""
+    rows = {"nanoserve LLM.generate": run_engine(model_dir, requests, args.dtype, args.device)}
+    hf = f"transformers generate, batches of {args.hf_batch}"
+    rows[hf] = run_transformers(model_dir, requests, args.dtype, args.device, args.hf_batch)
+    if args.device == "cpu" and args.dtype == "float32" and not args.skip_llamacpp:
+        try:
+            from llamacpp import run_llamacpp
+        except ImportError as e:
+            print(f"llama.cpp column skipped: {e} (pip install llama-cpp-python gguf)")
+        else:
+            threads = torch.get_num_threads()
+            rows["llama.cpp f32, one batch"] = run_llamacpp(model_dir, requests, threads)
+    if serial:
+        rows["nanoserve, one request at a time"] = run_engine(
+            model_dir, requests, args.dtype, args.device, serial=True
+        )
+    output_tokens = sum(n for _, n in requests)
+    base = rows[hf]
+    print(f"{'':40} {'seconds':>8} {'out tok/s':>10} {'vs transformers':>16}")
+    for name, seconds in rows.items():
+        print(f"{name:40} {seconds:8.2f} {output_tokens / seconds:10.1f} {base / seconds:15.2f}x")
+    return {
+        "requests": len(requests),
+        "prompt_tokens": sum(len(p) for p, _ in requests),
+        "output_tokens": output_tokens,
+        "seconds": rows,
+        "output_tokens_per_s": {k: output_tokens / v for k, v in rows.items()},
+    }
 
 
 def main() -> None:
@@ -189,32 +253,34 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--skip-serial", action="store_true")
+    parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     shape = SHAPES[args.shape]
-    requests = workload(args.requests, vocab=shape["vocab_size"])
-    output_tokens = sum(n for _, n in requests)
-    hf = f"transformers generate, batches of {args.hf_batch}"
-    rows = {}
+    workloads = {
+        "uniform": workload(args.requests, vocab=shape["vocab_size"]),
+        "chat": chat_workload(vocab=shape["vocab_size"]),
+    }
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(Path(tmp) / "m", dtype=args.dtype, **shape)
-        rows["nanoserve LLM.generate"] = run_engine(model_dir, requests, args.dtype, args.device)
-        rows[hf] = run_transformers(model_dir, requests, args.dtype, args.device, args.hf_batch)
-        if not args.skip_serial:
-            rows["nanoserve, one request at a time"] = run_engine(
-                model_dir, requests, args.dtype, args.device, serial=True
+        for name, requests in workloads.items():
+            prompt_tokens = sum(len(p) for p, _ in requests)
+            output_tokens = sum(n for _, n in requests)
+            print(
+                f"\n{name} workload: {len(requests)} requests, {prompt_tokens} prompt and "
+                f"{output_tokens} output tokens, {args.shape} {args.dtype}"
             )
-        limits = floors(model_dir, requests, args.dtype) if args.device == "cpu" else {}
-    base = rows[hf]
-    print(f"\n{len(requests)} requests, {output_tokens} output tokens, {args.shape} {args.dtype}")
-    print(f"{'':40} {'seconds':>8} {'out tok/s':>10} {'vs transformers':>16}")
-    for name, seconds in rows.items():
-        print(f"{name:40} {seconds:8.2f} {output_tokens / seconds:10.1f} {base / seconds:15.2f}x")
+            serial = name == "uniform" and not args.skip_serial
+            results[name] = run_workload(model_dir, requests, args, serial)
+        limits = {}
+        if args.device == "cpu":
+            limits = floors(model_dir, workloads["uniform"], args.dtype)
     if limits:
-        ceiling = output_tokens / limits["workload_floor_s"]
+        ceiling = results["uniform"]["output_tokens"] / limits["workload_floor_s"]
         print(
-            f"\nfloor by matmul FLOPs ({limits['matmul_gflop_s']:.0f} GFLOP/s measured): "
-            f"{limits['workload_floor_s']:.2f} s, {ceiling:.0f} out tok/s"
+            f"\nfloor of the uniform workload by matmul FLOPs ({limits['matmul_gflop_s']:.0f} "
+            f"GFLOP/s measured): {limits['workload_floor_s']:.2f} s, {ceiling:.0f} out tok/s"
         )
         print(
             f"batch-1 decode step {limits['batch1_step_ms']:.2f} ms; floor "
@@ -234,10 +300,7 @@ def main() -> None:
         "device": args.device,
         "shape": args.shape,
         "dtype": args.dtype,
-        "requests": len(requests),
-        "output_tokens": output_tokens,
-        "seconds": rows,
-        "output_tokens_per_s": {k: output_tokens / v for k, v in rows.items()},
+        "workloads": results,
     }
     name = f"engine_{args.device}_{args.shape}_{args.dtype}.json"
     (args.out / name).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,8 +1,8 @@
 """Bar charts of the engine benchmark's results (bench/bench_engine.py writes JSON only).
 
-For each bench/results/engine_*.json (or the files named), writes a PNG beside it: output
-tokens/s of each row (nanoserve batched, transformers, nanoserve one request at a time), each bar
-labelled with its speed-up over transformers.
+For each bench/results/engine_*.json (or the files named), writes a PNG beside it: for each
+workload, output tokens/s of each row (nanoserve batched, transformers, llama.cpp, nanoserve one
+request at a time), each bar labelled with its speed-up over transformers.
 
     python bench/plot.py [RESULT.json ...]
 """
@@ -23,24 +23,33 @@ def plot_engine(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates: dict[str, float] = result["output_tokens_per_s"]
-    base = next((v for k, v in rates.items() if k.startswith("transformers")), None)
-    names = list(rates)
-    fig, ax = plt.subplots(figsize=(7.5, 0.7 * len(names) + 1.8))
-    bars = ax.barh(names, [rates[n] for n in names], color=[f"C{i}" for i in range(len(names))])
-    for bar, name in zip(bars, names, strict=True):
-        note = f"{rates[name]:.0f} tok/s"
-        if base:
-            note += f"  ({rates[name] / base:.2f}x transformers)"
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + note,
-                va="center", fontsize=8)  # fmt: skip
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(rates.values()) * 1.8)
-    ax.set_xlabel("output tokens/s")
+    workloads: dict[str, dict[str, Any]] = result["workloads"]
+    heights = [0.55 * len(w["output_tokens_per_s"]) + 1.0 for w in workloads.values()]
+    fig, axes = plt.subplots(
+        len(workloads), 1, figsize=(7.5, sum(heights) + 0.8), height_ratios=heights, squeeze=False
+    )
+    for ax, (name, w) in zip(axes[:, 0], workloads.items(), strict=True):
+        rates: dict[str, float] = w["output_tokens_per_s"]
+        base = next((v for k, v in rates.items() if k.startswith("transformers")), None)
+        names = list(rates)
+        bars = ax.barh(names, [rates[n] for n in names], color=[f"C{i}" for i in range(len(names))])
+        for bar, row in zip(bars, names, strict=True):
+            note = f"{rates[row]:.0f} tok/s"
+            if base:
+                note += f"  ({rates[row] / base:.2f}x transformers)"
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + note,
+                    va="center", fontsize=8)  # fmt: skip
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(rates.values()) * 1.8)
+        ax.set_title(
+            f"{name}: {w['requests']} requests, {w['prompt_tokens']} prompt / "
+            f"{w['output_tokens']} output tokens",
+            fontsize=9,
+        )
+    axes[-1, 0].set_xlabel("output tokens/s")
     m = result["machine"]
-    ax.set_title(
-        f"offline throughput: {result['requests']} requests, {result['output_tokens']} output "
-        f"tokens, {result['shape']} {result['dtype']}\n{m.get('gpu') or m['cpu']}, "
+    fig.suptitle(
+        f"offline throughput, {result['shape']} {result['dtype']}: {m.get('gpu') or m['cpu']}, "
         f"{m['cores']} threads, torch {m['torch']}",
         fontsize=9,
     )
