@@ -29,6 +29,7 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")  # compiles llama-cpp-python the first time (minutes)
     session.run("python", "bench/bench_kernels.py", *session.posargs)
     session.run("python", "bench/bench_engine.py")
+    session.run("python", "bench/bench_engine.py", "--dtype", "bfloat16", "--skip-serial")
     session.run("python", "bench/plot.py")  # bench_engine.py writes JSON only
     session.run("python", "bench/bench_serving.py")
     # Long prompts among short ones: inter-token latency with and without chunked prefill.
