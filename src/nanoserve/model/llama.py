@@ -1,13 +1,13 @@
 """The Llama forward pass (Llama 3.x: RMSNorm, RoPE with llama3 scaling, GQA, SwiGLU) over packed
 tokens of many sequences and the paged KV cache. Owns the weights; q/k/v and gate/up projections
-are fused at load time so each layer does four matmuls. RMSNorm and RoPE come from
-nanoserve.kernels (one C call each on the CPU, torch elsewhere).
+are fused at load time so each layer does four matmuls (model/linear.py picks how). RMSNorm and
+RoPE come from nanoserve.kernels (one C call each on the CPU, torch elsewhere).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,17 +15,18 @@ import torch.nn.functional as F
 from nanoserve import hugepages
 from nanoserve.attention import AttentionMetadata, attention
 from nanoserve.config import ModelConfig, RopeConfig
-from nanoserve.kernels import rms_norm, rope_, small_linear
+from nanoserve.kernels import rms_norm, rope_
+from nanoserve.model.linear import Linear
 
 
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: torch.Tensor
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
 
 
 class Llama:
@@ -33,28 +34,23 @@ class Llama:
         self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int
     ) -> None:
         self.config = config
-        self.embed = weights["model.embed_tokens.weight"]
-        self.norm = weights["model.norm.weight"]
+        embed = weights["model.embed_tokens.weight"]
         lm_head = weights.get("lm_head.weight")
         if lm_head is None and not config.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        self.lm_head = self.embed if lm_head is None else lm_head
-        self.layers = [_layer(weights, i) for i in range(config.num_layers)]
+        top = [embed, embed if lm_head is None else lm_head, weights["model.norm.weight"]]
+        layers = [_layer_tensors(weights, i) for i in range(config.num_layers)]
+        if embed.device.type == "cpu":  # every weight in one huge-page mapping
+            flat = hugepages.pack(top + [t for layer in layers for t in layer.values()])
+            top, rest = flat[:3], iter(flat[3:])
+            layers = [{name: next(rest) for name in layer} for layer in layers]
+        self.embed, self.norm = top[0], top[2]
+        self.lm_head = Linear(top[1])
+        self.layers = [_layer(t) for t in layers]
         cos, sin = rope_cos_sin(config.rope, config.head_dim, max_positions)
-        self.cos = cos.to(device=self.embed.device, dtype=self.embed.dtype)
-        self.sin = sin.to(device=self.embed.device, dtype=self.embed.dtype)
+        self.cos = cos.to(device=embed.device, dtype=embed.dtype)
+        self.sin = sin.to(device=embed.device, dtype=embed.dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        if self.embed.device.type == "cpu":
-            self._pack_weights()
-
-    def _pack_weights(self) -> None:
-        """Moves the weights into one huge-page mapping (nanoserve.hugepages)."""
-        names = [f.name for f in fields(Layer)]
-        tensors = [self.embed, self.lm_head, self.norm]
-        tensors += [getattr(layer, name) for layer in self.layers for name in names]
-        packed = iter(hugepages.pack(tensors))
-        self.embed, self.lm_head, self.norm = next(packed), next(packed), next(packed)
-        self.layers = [Layer(**{name: next(packed) for name in names}) for _ in self.layers]
 
     def forward(
         self,
@@ -69,27 +65,39 @@ class Llama:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         eps = c.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            qkv = linear(rms_norm(h, layer.input_norm, eps), layer.qkv)
+            qkv = layer.qkv(rms_norm(h, layer.input_norm, eps))
             rope_(qkv, c.num_heads + c.num_kv_heads, positions, self.cos, self.sin)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.reshape(-1, c.num_heads, c.head_dim).contiguous()
             k = k.reshape(-1, c.num_kv_heads, c.head_dim).contiguous()
             v = v.reshape(-1, c.num_kv_heads, c.head_dim).contiguous()
             a = attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + linear(a.view(-1, q_size), layer.o)
-            gate, up = linear(rms_norm(h, layer.post_norm, eps), layer.gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down)
+            h = h + layer.o(a.view(-1, q_size))
+            gate, up = layer.gate_up(rms_norm(h, layer.post_norm, eps)).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         h = rms_norm(h[logits_indices], self.norm, eps)
-        return linear(h, self.lm_head).float()  # [len(logits_indices), vocab]
+        return self.lm_head(h).float()  # [len(logits_indices), vocab]
 
 
-def _layer(weights: dict[str, torch.Tensor], i: int) -> Layer:
+def _layer(t: dict[str, torch.Tensor]) -> Layer:
+    return Layer(
+        input_norm=t["input_norm"],
+        qkv=Linear(t["qkv"]),
+        o=Linear(t["o"]),
+        post_norm=t["post_norm"],
+        gate_up=Linear(t["gate_up"]),
+        down=Linear(t["down"]),
+    )
+
+
+def _layer_tensors(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Layer i's weights under Layer's field names, q/k/v and gate/up concatenated."""
     p = f"model.layers.{i}."
 
     def w(name: str) -> torch.Tensor:
         return weights[p + name]
 
-    return Layer(
+    return dict(
         input_norm=w("input_layernorm.weight"),
         qkv=torch.cat([w(f"self_attn.{n}_proj.weight") for n in "qkv"]),
         o=w("self_attn.o_proj.weight"),
@@ -97,15 +105,6 @@ def _layer(weights: dict[str, torch.Tensor], i: int) -> Layer:
         gate_up=torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]),
         down=w("mlp.down_proj.weight"),
     )
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w); a CPU decode step of a few rows goes to the C GEMV kernel, which streams the
-    weights about twice as fast as MKL's and does not depend on the thread count."""
-    small = x.device.type == "cpu" and x.shape[0] <= 4 and w.is_contiguous()
-    if small and x.dtype == w.dtype and x.dtype in (torch.float32, torch.bfloat16):
-        return small_linear(x.contiguous(), w)
-    return F.linear(x, w)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

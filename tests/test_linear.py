@@ -1,0 +1,38 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model import linear as linear_module
+from nanoserve.model.linear import Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 5, 64, 300])
+def test_linear_matches_f_linear_on_every_path(dtype, rows):
+    """Up to 4 rows: the C GEMV; more: oneDNN on the prepacked weight; the same product."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 160, generator=g).to(dtype)
+    x = torch.randn(rows, 160, generator=g).to(dtype)
+    layer = Linear(w)
+    if torch.backends.mkldnn.is_available():
+        assert layer.packed is not None
+    expected = F.linear(x.double(), w.double())
+    tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    out = layer(x)
+    assert out.shape == (rows, 96) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **tol)
+    # a non-contiguous input (a column slice) gives the same result
+    wide = torch.cat([x, x], dim=1)[:, :160]
+    assert torch.equal(layer(wide), out)
+
+
+def test_linear_without_onednn_uses_f_linear(monkeypatch):
+    monkeypatch.setattr(linear_module, "_onednn_pack", lambda w: None)
+    w, x = torch.randn(8, 16), torch.randn(7, 16)
+    layer = Linear(w)
+    assert layer.packed is None
+    assert torch.equal(layer(x), F.linear(x, w))
+
+
+def test_float16_weights_are_not_packed():
+    assert Linear(torch.randn(8, 16).half()).packed is None
