@@ -33,12 +33,14 @@ class Llama:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int
     ) -> None:
+        """Takes the tensors out of `weights` as it goes, so that the checkpoint's copies can be
+        freed while the fused, huge-page and prepacked ones are made."""
         self.config = config
-        embed = weights["model.embed_tokens.weight"]
-        lm_head = weights.get("lm_head.weight")
+        lm_head = weights.pop("lm_head.weight", None)
         if lm_head is None and not config.tie_word_embeddings:
             raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-        top = [embed, embed if lm_head is None else lm_head, weights["model.norm.weight"]]
+        embed = weights.pop("model.embed_tokens.weight")
+        top = [embed, embed if lm_head is None else lm_head, weights.pop("model.norm.weight")]
         layers = [_layer_tensors(weights, i) for i in range(config.num_layers)]
         if embed.device.type == "cpu":  # every weight in one huge-page mapping
             flat = hugepages.pack(top + [t for layer in layers for t in layer.values()])
@@ -95,7 +97,7 @@ def _layer_tensors(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.
     p = f"model.layers.{i}."
 
     def w(name: str) -> torch.Tensor:
-        return weights[p + name]
+        return weights.pop(p + name)
 
     return dict(
         input_norm=w("input_layernorm.weight"),
