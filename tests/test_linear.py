@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model import linear as linear_module
+from nanoserve.kernels import c_backend
 from nanoserve.model.linear import Linear
 
 
@@ -26,13 +26,15 @@ def test_linear_matches_f_linear_on_every_path(dtype, rows):
     assert torch.equal(layer(wide), out)
 
 
-def test_linear_without_onednn_uses_f_linear(monkeypatch):
-    monkeypatch.setattr(linear_module, "_onednn_pack", lambda w: None)
-    w, x = torch.randn(8, 16), torch.randn(7, 16)
+def test_linear_without_onednn_or_the_c_module_uses_f_linear(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(c_backend, "AVAILABLE", False)
+    w, x = torch.randn(8, 16), torch.randn(3, 16)
     layer = Linear(w)
-    assert layer.packed is None
+    assert layer.packed is None and not layer.gemv
     assert torch.equal(layer(x), F.linear(x, w))
 
 
-def test_float16_weights_are_not_packed():
-    assert Linear(torch.randn(8, 16).half()).packed is None
+def test_float16_weights_use_f_linear():
+    layer = Linear(torch.randn(8, 16).half())
+    assert layer.packed is None and not layer.gemv

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import small_linear
+from nanoserve.kernels import c_backend, small_linear
 
 GEMV_ROWS = 4  # the C GEMV takes up to this many rows (kernels.api.SMALL_LINEAR_MAX_ROWS)
 PACK_ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any count works
@@ -22,27 +22,29 @@ PACK_ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any c
 class Linear:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight  # [out_features, in_features]
-        self.packed = _onednn_pack(weight)
+        cpu = (
+            weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.is_contiguous()
+        )
+        self.gemv = cpu and c_backend.AVAILABLE  # the C GEMV for a few rows
+        self.packed = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+            if cpu and _onednn_available()
+            else None
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T for x [rows, in_features] of the weight's dtype and device."""
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        if x.shape[0] <= GEMV_ROWS:
+        if self.gemv and x.shape[0] <= GEMV_ROWS:
             return small_linear(x.contiguous(), self.weight)
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.packed, None, "none", [None], ""
-        )
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, None, "none", [None], ""
+            )
+        return F.linear(x, self.weight)
 
 
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    usable = (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and weight.is_contiguous()
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-    if not usable:
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+def _onednn_available() -> bool:
+    mkldnn = torch.backends.mkldnn.is_available()
+    return mkldnn and hasattr(torch.ops.mkldnn, "_linear_pointwise")
