@@ -77,6 +77,18 @@ def test_greedy_matches_transformers_without_chunking_or_prefix_cache(tiny_model
     assert ours == _reference(tiny_model_dir, prompts)
 
 
+def test_greedy_matches_transformers_on_torch_paths_alone(tiny_model_dir, monkeypatch):
+    """Without the C module and oneDNN, every op takes its torch path (as on a GPU)."""
+    from nanoserve.kernels import api, c_backend
+
+    monkeypatch.setattr(c_backend, "AVAILABLE", False)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(api, "_warned", {"c"})  # the "C kernel not built" warning: expected
+    prompts = _prompts(500)
+    ours, _ = _ours(tiny_model_dir, prompts)
+    assert ours == _reference(tiny_model_dir, prompts)
+
+
 def test_bfloat16_close_to_transformers(tiny_model_dir):
     """bf16 rounding makes exact equality a coin toss over long runs; the first tokens agree."""
     prompts = _prompts(500)[:3]
