@@ -1,7 +1,8 @@
 """The public kernel API: argument checks, then dispatch to the torch, C or Triton backend.
 
-Every user-visible error is raised here (or by the C module, for table values) and names the
-argument at fault. Backends receive checked, contiguous tensors and do no checks of their own.
+Every user-visible error is raised here (or by the C module, for table values and positions) and
+names the argument at fault. Backends receive checked tensors (contiguous, but for rope_'s qk,
+whose rows may be strided) and do no checks of their own.
 """
 
 import importlib.util
@@ -111,8 +112,13 @@ def rms_norm(
         )
     if out is None:
         out = torch.empty_like(x)
-    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError("out must be a contiguous tensor of x's shape and dtype")
+    elif (
+        out.shape != x.shape
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError("out must be a contiguous tensor of x's shape, dtype and device")
     _cpu_ops(x).rms_norm(x, weight, eps, out)
     return out
 
@@ -135,14 +141,27 @@ def rope_(
     head_dim = cos.shape[1]
     if sin.shape != cos.shape or cos.dtype != qk.dtype or sin.dtype != qk.dtype or head_dim % 2:
         raise ValueError("cos and sin must be [max_positions, even head_dim] of qk's dtype")
-    if heads * head_dim > qk.shape[1] or positions.shape[0] != qk.shape[0]:
+    width = heads * head_dim
+    if heads < 1 or width > qk.shape[1] or positions.shape[0] != qk.shape[0]:
         raise ValueError(
-            f"qk {tuple(qk.shape)} must hold {heads} heads of {head_dim} for each of "
-            f"{positions.shape[0]} positions"
+            f"qk {tuple(qk.shape)} must hold {heads} heads of {head_dim} (at least one) for "
+            f"each of {positions.shape[0]} positions"
         )
+    if qk.shape[0] > 1 and qk.stride(0) < width:
+        raise ValueError(f"qk rows overlap (row stride {qk.stride(0)} < {width})")
     _check_device(qk.device, positions=positions, cos=cos, sin=sin)
-    _cpu_ops(qk).rope_(qk, heads, positions, cos, sin)
+    impl = _cpu_ops(qk)
+    if impl is torch_ref and qk.device.type == "cpu" and positions.numel():
+        _check_positions(positions, cos.shape[0])  # the C module checks its own
+    impl.rope_(qk, heads, positions, cos, sin)
     return qk
+
+
+def _check_positions(positions: torch.Tensor, table_rows: int) -> None:
+    bad = (positions < 0) | (positions >= table_rows)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(f"positions[{t}] = {int(positions[t])} is outside [0, {table_rows})")
 
 
 def _cpu_ops(x: torch.Tensor) -> ModuleType:

@@ -1,3 +1,4 @@
+import gc
 import mmap
 
 import pytest
@@ -10,11 +11,15 @@ from nanoserve import hugepages
 def test_pack_copies_into_one_aligned_mapping_and_keeps_aliases():
     a = torch.randn(300, 7)
     b = torch.randn(5, 3).to(torch.bfloat16)
-    packed_a, packed_b, packed_a_again = hugepages.pack([a, b, a])
-    assert packed_a is packed_a_again  # a tied lm_head stays the embedding
-    assert torch.equal(packed_a, a) and torch.equal(packed_b, b)
-    assert packed_b.dtype == torch.bfloat16 and packed_b.shape == (5, 3)
-    assert packed_a.data_ptr() % hugepages.HUGE_PAGE == 0
-    assert packed_a.data_ptr() != a.data_ptr()
+    expected_a, expected_b = a.clone(), b.clone()
+    packed = hugepages.pack([a, b, a])
+    assert packed[0] is packed[2]  # a tied lm_head stays the embedding
+    assert packed[0].data_ptr() % hugepages.HUGE_PAGE == 0
+    assert packed[0].data_ptr() != a.data_ptr()
+    assert packed[1].dtype == torch.bfloat16 and packed[1].shape == (5, 3)
     del a, b
-    assert float(packed_a.sum()) == pytest.approx(float(packed_a_again.sum()))  # mapping alive
+    gc.collect()  # the copies alone now hold the mapping
+    packed_a, packed_b = packed[0], packed[1]
+    del packed
+    gc.collect()
+    assert torch.equal(packed_a, expected_a) and torch.equal(packed_b, expected_b)

@@ -26,13 +26,19 @@ def test_linear_matches_f_linear_on_every_path(dtype, rows):
     assert torch.equal(layer(wide), out)
 
 
-def test_linear_without_onednn_or_the_c_module_uses_f_linear(monkeypatch):
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    monkeypatch.setattr(c_backend, "AVAILABLE", False)
-    w, x = torch.randn(8, 16), torch.randn(3, 16)
+@pytest.mark.parametrize("c_module,onednn", [(False, True), (True, False), (False, False)])
+def test_linear_paths_are_independent(monkeypatch, c_module, onednn):
+    """Without the C module a few rows go to oneDNN; without oneDNN many rows go to F.linear."""
+    if c_module and not c_backend.AVAILABLE:
+        pytest.skip("C module not built")
+    monkeypatch.setattr(c_backend, "AVAILABLE", c_module)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: onednn)
+    w = torch.randn(8, 16)
     layer = Linear(w)
-    assert layer.packed is None and not layer.gemv
-    assert torch.equal(layer(x), F.linear(x, w))
+    assert layer.gemv == c_module and (layer.packed is not None) == onednn
+    for rows in (3, 9):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_float16_weights_use_f_linear():

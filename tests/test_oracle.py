@@ -87,6 +87,8 @@ def test_greedy_matches_transformers_on_torch_paths_alone(tiny_model_dir, monkey
     prompts = _prompts(500)
     ours, _ = _ours(tiny_model_dir, prompts)
     assert ours == _reference(tiny_model_dir, prompts)
+    head = LLM(str(tiny_model_dir)).engine.runner.model.lm_head
+    assert head.packed is None and not head.gemv  # the patches did take effect
 
 
 def test_bfloat16_close_to_transformers(tiny_model_dir):

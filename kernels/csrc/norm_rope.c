@@ -9,6 +9,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+/* No fused multiply-adds here (setup.py turns contraction on for the other files): a*c - b*s is
+ * then rounded exactly as torch's mul, mul, add round it, and float32 RoPE matches torch's bits. */
+#pragma GCC optimize("fp-contract=off")
+
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

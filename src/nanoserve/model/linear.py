@@ -28,11 +28,7 @@ class Linear:
             and weight.is_contiguous()
         )
         self.gemv = cpu and c_backend.AVAILABLE  # the C GEMV for a few rows
-        self.packed = (
-            torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-            if cpu and _onednn_available()
-            else None
-        )
+        self.packed = _onednn_pack(weight) if cpu else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T for x [rows, in_features] of the weight's dtype and device."""
@@ -45,6 +41,13 @@ class Linear:
         return F.linear(x, self.weight)
 
 
-def _onednn_available() -> bool:
-    mkldnn = torch.backends.mkldnn.is_available()
-    return mkldnn and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's blocked layout, or None where oneDNN cannot take it (not built in,
+    or bf16 on a CPU without AVX-512 bf16 support, which the reorder refuses)."""
+    ops = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_linear_pointwise"):
+        return None
+    try:
+        return ops._reorder_linear_weight(weight, PACK_ROWS_HINT)
+    except RuntimeError:
+        return None

@@ -33,8 +33,9 @@ class Llama:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int
     ) -> None:
-        """Takes the tensors out of `weights` as it goes, so that the checkpoint's copies can be
-        freed while the fused, huge-page and prepacked ones are made."""
+        """Takes the tensors out of `weights` (the caller's dict is emptied), so that the separate
+        q/k/v and gate/up matrices are freed once fused. The huge-page copy still briefly needs
+        twice the weights' memory, and the oneDNN packed copies stay beside them (linear.py)."""
         self.config = config
         lm_head = weights.pop("lm_head.weight", None)
         if lm_head is None and not config.tie_word_embeddings:
