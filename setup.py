@@ -1,5 +1,5 @@
-"""Builds the C kernels (kernels/csrc: paged attention, small-M linear, RMSNorm, RoPE) as
-nanoserve.kernels._C at install time.
+"""Builds the C kernels (kernels/csrc: paged attention, small-M linear, RMSNorm, RoPE, the fused
+decode step) as nanoserve.kernels._C at install time.
 
 -march=native tunes the kernel for the building machine (right for `pip install -e .`); set
 NANOSERVE_MARCH (e.g. x86-64-v3) to build a module that runs on other machines.
@@ -19,6 +19,7 @@ setup(
                 "kernels/csrc/paged_attention.c",
                 "kernels/csrc/linear.c",
                 "kernels/csrc/norm_rope.c",
+                "kernels/csrc/decode_step.c",
             ],
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.
             extra_compile_args=[

@@ -77,6 +77,13 @@ def test_greedy_matches_transformers_without_chunking_or_prefix_cache(tiny_model
     assert ours == _reference(tiny_model_dir, prompts)
 
 
+def test_greedy_matches_transformers_one_request_at_a_time(tiny_model_dir):
+    """Batch-1 decodes: on the CPU every layer of a step runs in one C call (model/cpu_step.py)."""
+    prompts = _prompts(500)[:3]
+    ours = [_ours(tiny_model_dir, [p])[0][0] for p in prompts]
+    assert ours == _reference(tiny_model_dir, prompts)
+
+
 def test_greedy_matches_transformers_on_torch_paths_alone(tiny_model_dir, monkeypatch):
     """Without the C module and oneDNN, every op takes its torch path (as on a GPU)."""
     from nanoserve.kernels import api, c_backend

@@ -11,8 +11,7 @@
  * is widened once, bf16 w as it is read, a bf16 out rounded to nearest even. GCC vector extensions
  * (no intrinsics): a 64-byte vector is one AVX-512 register, or two AVX ones.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "cpu_kernels.h"
 
 #include <omp.h>
 #include <stdint.h>
@@ -133,6 +132,22 @@ static void linear_all(const lin_args *a, int dtype, int num_threads) {
     }
 }
 
+int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssize_t N,
+                   Py_ssize_t K, int dtype, int num_threads) {
+    lin_args a = {(const float *)x, (const char *)w, out, M, N, K};
+    float *x32 = NULL;
+    if (dtype == LIN_BF16) { /* widen x once: [M, K] is small */
+        x32 = malloc((size_t)(M * K + 1) * sizeof(float));
+        if (!x32) return -1;
+        const uint16_t *xh = (const uint16_t *)x;
+        for (Py_ssize_t i = 0; i < M * K; i++) x32[i] = bf16_f32(xh[i]);
+        a.x = x32;
+    }
+    if (N > 0) linear_all(&a, dtype, num_threads);
+    free(x32);
+    return 0;
+}
+
 PyObject *nanoserve_small_linear(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long out, x, w;
@@ -145,20 +160,11 @@ PyObject *nanoserve_small_linear(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "small_linear: inconsistent sizes or dtype code");
         return NULL;
     }
-    lin_args a = {(const float *)(uintptr_t)x, (const char *)(uintptr_t)w, (void *)(uintptr_t)out,
-                  M, N, K};
-    float *x32 = NULL;
-    if (dtype == LIN_BF16) { /* widen x once: [M, K] is small */
-        x32 = malloc((size_t)(M * K + 1) * sizeof(float));
-        if (!x32) return PyErr_NoMemory();
-        const uint16_t *xh = (const uint16_t *)(uintptr_t)x;
-        for (Py_ssize_t i = 0; i < M * K; i++) x32[i] = bf16_f32(xh[i]);
-        a.x = x32;
-    }
-    if (N > 0) {
-        Py_BEGIN_ALLOW_THREADS linear_all(&a, dtype, num_threads);
-        Py_END_ALLOW_THREADS
-    }
-    free(x32);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS;
+    rc = nanoserve_gemv((void *)(uintptr_t)out, (const void *)(uintptr_t)x,
+                        (const void *)(uintptr_t)w, M, N, K, dtype, num_threads);
+    Py_END_ALLOW_THREADS;
+    if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }

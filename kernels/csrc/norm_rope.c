@@ -6,8 +6,7 @@
  * rows or threads; bf16 values are rounded (to nearest even) where torch's ops would round them, so
  * the two agree but for the order of RMSNorm's sum of squares.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "cpu_kernels.h"
 
 /* No fused multiply-adds here (setup.py turns contraction on for the other files): a*c - b*s is
  * then rounded exactly as torch's mul, mul, add round it, and float32 RoPE matches torch's bits. */
@@ -18,39 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { OPS_F32 = 0, OPS_BF16 = 1 };
+enum { OPS_F32 = NS_F32, OPS_BF16 = NS_BF16 };
 enum { NORM_LANES = 16, PARALLEL_ROWS = 16 };
-
-static inline float load(const void *p, Py_ssize_t i, int dtype) {
-    if (dtype == OPS_BF16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
-static inline void store(void *p, Py_ssize_t i, float f, int dtype) {
-    if (dtype != OPS_BF16) {
-        ((float *)p)[i] = f;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        u = (u >> 16) | 0x0040u; /* quiet NaN */
-    else
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
-    ((uint16_t *)p)[i] = (uint16_t)u;
-}
-
-static inline float round_to(float f, int dtype) {
-    if (dtype != OPS_BF16) return f;
-    uint16_t h;
-    store(&h, 0, f, dtype);
-    return load(&h, 0, dtype);
-}
 
 /* out[r] = w * dtype(x[r] / sqrt(mean(x[r]^2) + eps)), as the reference Llama computes it. */
 static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
@@ -62,19 +30,19 @@ static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const
         Py_ssize_t i = 0;
         for (; i + NORM_LANES <= hidden; i += NORM_LANES)
             for (int l = 0; l < NORM_LANES; l++) {
-                const float v = load(x, base + i + l, dtype);
+                const float v = ns_load(x, base + i + l, dtype);
                 lanes[l] += v * v;
             }
         for (int l = 0; i + l < hidden; l++) {
-            const float v = load(x, base + i + l, dtype);
+            const float v = ns_load(x, base + i + l, dtype);
             lanes[l] += v * v;
         }
         for (int width = NORM_LANES / 2; width > 0; width /= 2)
             for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
         const float inv = 1.0f / sqrtf(lanes[0] / (float)hidden + eps);
         for (Py_ssize_t j = 0; j < hidden; j++) {
-            const float normed = round_to(load(x, base + j, dtype) * inv, dtype);
-            store(out, base + j, load(w, j, dtype) * normed, dtype);
+            const float normed = ns_round(ns_load(x, base + j, dtype) * inv, dtype);
+            ns_store(out, base + j, ns_load(w, j, dtype) * normed, dtype);
         }
     }
 }
@@ -91,18 +59,38 @@ static inline __attribute__((always_inline)) void rope_rows(void *qk, const int6
         for (Py_ssize_t h = 0; h < heads; h++) {
             const Py_ssize_t x = t * row_stride + h * head_dim;
             for (Py_ssize_t i = 0; i < half; i++) {
-                const float a = load(qk, x + i, dtype), b = load(qk, x + half + i, dtype);
-                const float c1 = load(cos, table + i, dtype), s1 = load(sin, table + i, dtype);
-                const float c2 = load(cos, table + half + i, dtype);
-                const float s2 = load(sin, table + half + i, dtype);
+                const float a = ns_load(qk, x + i, dtype), b = ns_load(qk, x + half + i, dtype);
+                const float c1 = ns_load(cos, table + i, dtype), s1 = ns_load(sin, table + i, dtype);
+                const float c2 = ns_load(cos, table + half + i, dtype);
+                const float s2 = ns_load(sin, table + half + i, dtype);
                 /* rounded after each product, as torch's mul, mul, add are */
-                const float ac = round_to(a * c1, dtype), bs = round_to(-b * s1, dtype);
-                const float bc = round_to(b * c2, dtype), as = round_to(a * s2, dtype);
-                store(qk, x + i, ac + bs, dtype);
-                store(qk, x + half + i, bc + as, dtype);
+                const float ac = ns_round(a * c1, dtype), bs = ns_round(-b * s1, dtype);
+                const float bc = ns_round(b * c2, dtype), as = ns_round(a * s2, dtype);
+                ns_store(qk, x + i, ac + bs, dtype);
+                ns_store(qk, x + half + i, bc + as, dtype);
             }
         }
     }
+}
+
+void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
+                             Py_ssize_t hidden, float eps, int dtype, int num_threads) {
+    /* a constant dtype in each call, so each loop is specialised */
+    if (dtype == OPS_BF16)
+        rms_norm_rows(out, x, w, rows, hidden, eps, OPS_BF16, num_threads);
+    else
+        rms_norm_rows(out, x, w, rows, hidden, eps, OPS_F32, num_threads);
+}
+
+void nanoserve_rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,
+                         Py_ssize_t rows, Py_ssize_t heads, Py_ssize_t head_dim,
+                         Py_ssize_t row_stride, int dtype, int num_threads) {
+    if (dtype == OPS_BF16)
+        rope_rows(qk, positions, cos, sin, rows, heads, head_dim, row_stride, OPS_BF16,
+                  num_threads);
+    else
+        rope_rows(qk, positions, cos, sin, rows, heads, head_dim, row_stride, OPS_F32,
+                  num_threads);
 }
 
 PyObject *nanoserve_rms_norm(PyObject *self, PyObject *args) {
@@ -113,13 +101,9 @@ PyObject *nanoserve_rms_norm(PyObject *self, PyObject *args) {
     int dtype, threads;
     if (!PyArg_ParseTuple(args, "KKKnnfii", &out, &x, &w, &rows, &hidden, &eps, &dtype, &threads))
         return NULL;
-    void *o = (void *)(uintptr_t)out;
-    const void *xp = (const void *)(uintptr_t)x, *wp = (const void *)(uintptr_t)w;
-    Py_BEGIN_ALLOW_THREADS; /* a constant dtype in each call, so each loop is specialised */
-    if (dtype == OPS_BF16)
-        rms_norm_rows(o, xp, wp, rows, hidden, eps, OPS_BF16, threads);
-    else
-        rms_norm_rows(o, xp, wp, rows, hidden, eps, OPS_F32, threads);
+    Py_BEGIN_ALLOW_THREADS;
+    nanoserve_rms_norm_rows((void *)(uintptr_t)out, (const void *)(uintptr_t)x,
+                            (const void *)(uintptr_t)w, rows, hidden, eps, dtype, threads);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -139,13 +123,10 @@ PyObject *nanoserve_rope(PyObject *self, PyObject *args) {
                          (long long)pos[t], table_rows);
             return NULL;
         }
-    void *x = (void *)(uintptr_t)qk;
-    const void *c = (const void *)(uintptr_t)cos, *s = (const void *)(uintptr_t)sin;
     Py_BEGIN_ALLOW_THREADS;
-    if (dtype == OPS_BF16)
-        rope_rows(x, pos, c, s, rows, heads, head_dim, row_stride, OPS_BF16, threads);
-    else
-        rope_rows(x, pos, c, s, rows, heads, head_dim, row_stride, OPS_F32, threads);
+    nanoserve_rope_rows((void *)(uintptr_t)qk, pos, (const void *)(uintptr_t)cos,
+                        (const void *)(uintptr_t)sin, rows, heads, head_dim, row_stride, dtype,
+                        threads);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }

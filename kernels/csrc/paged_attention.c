@@ -7,8 +7,7 @@
  * read. Inner loops are written for gcc's auto-vectoriser (check with -fopt-info-vec); no
  * intrinsics, no -ffast-math.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "cpu_kernels.h"
 
 #include <math.h>
 #include <omp.h>
@@ -122,15 +121,6 @@ static inline float elem(const char *restrict row, Py_ssize_t i, int dtype) {
     return ((const float *)row)[i];
 }
 
-typedef struct {
-    void *out;
-    const void *q, *k, *v;
-    const int32_t *block_tables, *context_lens;
-    Py_ssize_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks;
-    Py_ssize_t max_blocks_per_seq;
-    float scale;
-    int dtype;
-} decode_args;
 
 /* Per-thread float32 scratch, sized once per call. */
 typedef struct {
@@ -363,7 +353,7 @@ static void decode_item(const decode_args *a, const scratch *s, Py_ssize_t seq, 
 }
 
 /* Runs with the GIL released; returns 0, or -1 when a thread could not allocate its scratch. */
-static int decode_all(const decode_args *a, int num_threads) {
+int nanoserve_decode_attention(const decode_args *a, int num_threads) {
     const Py_ssize_t items = a->num_seqs * a->num_kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -382,7 +372,7 @@ static int decode_all(const decode_args *a, int num_threads) {
 }
 
 /* Rejects what would make the kernel read out of bounds; only the used table entries are read. */
-static int check_tables(const decode_args *a) {
+int nanoserve_check_tables(const decode_args *a) {
     const Py_ssize_t cap = a->max_blocks_per_seq * a->block_size;
     for (Py_ssize_t seq = 0; seq < a->num_seqs; seq++) {
         const Py_ssize_t ctx = a->context_lens[seq];
@@ -428,9 +418,9 @@ static PyObject *py_paged_attention_decode(PyObject *self, PyObject *args) {
     a.block_tables = (const int32_t *)(uintptr_t)tables;
     a.context_lens = (const int32_t *)(uintptr_t)lens;
     a.scale = (float)scale;
-    if (check_tables(&a) < 0) return NULL;
+    if (nanoserve_check_tables(&a) < 0) return NULL;
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = decode_all(&a, num_threads);
+    Py_BEGIN_ALLOW_THREADS rc = nanoserve_decode_attention(&a, num_threads);
     Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -480,6 +470,7 @@ static PyObject *py_openmp_max_threads(PyObject *self, PyObject *unused) {
 PyObject *nanoserve_small_linear(PyObject *self, PyObject *args); /* linear.c */
 PyObject *nanoserve_rms_norm(PyObject *self, PyObject *args);     /* norm_rope.c */
 PyObject *nanoserve_rope(PyObject *self, PyObject *args);         /* norm_rope.c */
+PyObject *nanoserve_decode_layers(PyObject *self, PyObject *args); /* decode_step.c */
 
 static PyMethodDef methods[] = {
     {"paged_attention_decode", py_paged_attention_decode, METH_VARARGS,
@@ -497,6 +488,11 @@ static PyMethodDef methods[] = {
     {"rope", nanoserve_rope, METH_VARARGS,
      "rope(qk, positions, cos, sin, rows, heads, head_dim, row_stride, table_rows, dtype_code, "
      "num_threads): rotary embedding in place; positions int64."},
+    {"decode_layers", nanoserve_decode_layers, METH_VARARGS,
+     "decode_layers(h, layers, num_layers, positions, slots, cos, sin, table_rows, block_tables, "
+     "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
+     "head_dim, intermediate, eps, scale, dtype_code, num_threads): a decode step of up to 4 "
+     "rows through every layer, h updated in place; pointers as ints."},
     {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS,
      "omp_get_max_threads() of the OpenMP runtime this module is bound to."},
     {NULL, NULL, 0, NULL},

@@ -1,7 +1,8 @@
 """The Llama forward pass (Llama 3.x: RMSNorm, RoPE with llama3 scaling, GQA, SwiGLU) over packed
 tokens of many sequences and the paged KV cache. Owns the weights; q/k/v and gate/up projections
 are fused at load time so each layer does four matmuls (model/linear.py picks how). RMSNorm and
-RoPE come from nanoserve.kernels (one C call each on the CPU, torch elsewhere).
+RoPE come from nanoserve.kernels (one C call each on the CPU, torch elsewhere). A CPU decode step
+of up to 4 sequences runs every layer in one C call instead (model/cpu_step.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from nanoserve import hugepages
 from nanoserve.attention import AttentionMetadata, attention
 from nanoserve.config import ModelConfig, RopeConfig
 from nanoserve.kernels import rms_norm, rope_
+from nanoserve.model.cpu_step import CpuDecodeStep
 from nanoserve.model.linear import Linear
 
 
@@ -54,6 +56,7 @@ class Llama:
         self.cos = cos.to(device=embed.device, dtype=embed.dtype)
         self.sin = sin.to(device=embed.device, dtype=embed.dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.c_step = CpuDecodeStep(self) if CpuDecodeStep.supported(self) else None
 
     def forward(
         self,
@@ -63,8 +66,22 @@ class Llama:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # rows whose next-token logits are needed
     ) -> torch.Tensor:
+        h = self.embed[input_ids]  # [num_tokens, hidden], a copy
+        if self.c_step is not None and self.c_step.applies(len(input_ids), meta):
+            self.c_step(h, positions, kv_caches, meta)  # every layer in one C call, h in place
+        else:
+            h = self._layers(h, positions, kv_caches, meta)
+        h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
+        return self.lm_head(h).float()  # [len(logits_indices), vocab]
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         c = self.config
-        h = self.embed[input_ids]  # [num_tokens, hidden]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         eps = c.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -78,8 +95,7 @@ class Llama:
             h = h + layer.o(a.view(-1, q_size))
             gate, up = layer.gate_up(rms_norm(h, layer.post_norm, eps)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-        h = rms_norm(h[logits_indices], self.norm, eps)
-        return self.lm_head(h).float()  # [len(logits_indices), vocab]
+        return h
 
 
 def _layer(t: dict[str, torch.Tensor]) -> Layer:
