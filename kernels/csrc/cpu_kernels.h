@@ -1,6 +1,7 @@
 /* The C kernels' entry points for use from C (decode_step.c runs them back to back without
  * returning to Python). Pointers to contiguous rows; dtype codes 0 float32, 1 bfloat16, 2 float16
- * (paged attention only). All run with the GIL released and raise nothing. */
+ * (paged attention only). All but nanoserve_check_tables can run with the GIL released and raise
+ * nothing. */
 #ifndef NANOSERVE_CPU_KERNELS_H
 #define NANOSERVE_CPU_KERNELS_H
 

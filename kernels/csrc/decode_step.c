@@ -1,13 +1,14 @@
 /* A CPU decode step of up to 4 sequences through every decoder layer in one call.
  *
- * It does what Llama.forward (src/nanoserve/model/llama.py) does layer by layer, with the same C
+ * It does what Llama._layers (src/nanoserve/model/llama.py) does layer by layer, with the same C
  * kernels (RMSNorm, GEMV, RoPE, KV store, paged attention), but without returning to Python
  * between ops: at batch 1 on the 25M benchmark model those returns cost more than half a
  * millisecond a step, next to ~3 ms of weight reading. SwiGLU and the residual adds are the only
  * arithmetic of its own; each result is rounded to the model dtype where torch would round it.
  *
  * Layer weights come as a table of pointers, one row per layer: input norm, qkv, o, post norm,
- * gate_up, down, k cache, v cache.
+ * gate_up, down, k cache, v cache. Positions, slots and block tables are checked here; the
+ * tensors' types and shapes are checked by the caller (src/nanoserve/model/cpu_step.py).
  */
 #include "cpu_kernels.h"
 
@@ -55,13 +56,12 @@ static int run_layers(const step_args *s) {
     const Py_ssize_t q_width = s->heads * D, kv_width = s->kv_heads * D;
     const Py_ssize_t qkv_width = q_width + 2 * kv_width, I = s->intermediate;
     /* scratch, in elements of the model dtype */
-    const Py_ssize_t n_x = M * H, n_qkv = M * qkv_width, n_q = M * q_width, n_kv = M * kv_width;
+    const Py_ssize_t n_x = M * H, n_qkv = M * qkv_width, n_q = M * q_width;
     const Py_ssize_t n_gu = M * 2 * I, n_act = M * I;
-    char *base = malloc((size_t)(2 * n_x + n_qkv + 2 * n_q + 2 * n_kv + n_gu + n_act) * es);
+    char *base = malloc((size_t)(2 * n_x + n_qkv + 2 * n_q + n_gu + n_act) * es);
     if (!base) return -1;
     char *x = base, *o = x + n_x * es, *qkv = o + n_x * es, *q = qkv + n_qkv * es;
-    char *attn = q + n_q * es, *k = attn + n_q * es, *v = k + n_kv * es, *gu = v + n_kv * es;
-    char *act = gu + n_gu * es;
+    char *attn = q + n_q * es, *gu = attn + n_q * es, *act = gu + n_gu * es;
     decode_args a = s->attn;
     a.out = attn;
     a.q = q;
@@ -77,12 +77,8 @@ static int run_layers(const step_args *s) {
                             qkv_width, s->dtype, s->threads);
         char *k_cache = (char *)(uintptr_t)w[K_CACHE], *v_cache = (char *)(uintptr_t)w[V_CACHE];
         for (Py_ssize_t r = 0; r < M; r++) {
-            const char *row = qkv + (size_t)(r * qkv_width) * es;
+            const char *row = qkv + (size_t)(r * qkv_width) * es; /* [q heads | k heads | v heads] */
             memcpy(q + (size_t)(r * q_width) * es, row, (size_t)q_width * es);
-            memcpy(k + (size_t)(r * kv_width) * es, row + (size_t)q_width * es,
-                   (size_t)kv_width * es);
-            memcpy(v + (size_t)(r * kv_width) * es, row + (size_t)(q_width + kv_width) * es,
-                   (size_t)kv_width * es);
             /* the new key and value rows into their cache slot, head by head (a negative slot,
              * a padding row, is skipped as kernels.store_kv skips it) */
             const int64_t slot = s->slots[r];
@@ -90,9 +86,9 @@ static int run_layers(const step_args *s) {
             const size_t blk = (size_t)(slot / a.block_size), off = (size_t)(slot % a.block_size);
             for (Py_ssize_t h = 0; h < s->kv_heads; h++) {
                 const size_t dst = (blk * block_elems + ((size_t)h * a.block_size + off) * D) * es;
-                const size_t src = (size_t)((r * s->kv_heads + h) * D) * es;
-                memcpy(k_cache + dst, k + src, (size_t)D * es);
-                memcpy(v_cache + dst, v + src, (size_t)D * es);
+                const char *key = row + (size_t)(q_width + h * D) * es;
+                memcpy(k_cache + dst, key, (size_t)D * es);
+                memcpy(v_cache + dst, key + (size_t)kv_width * es, (size_t)D * es);
             }
         }
         a.k = k_cache;
@@ -128,8 +124,9 @@ PyObject *nanoserve_decode_layers(PyObject *self, PyObject *args) {
                           &scale, &s.dtype, &s.threads))
         return NULL;
     if (s.rows < 1 || s.rows > MAX_ROWS || (s.dtype != NS_F32 && s.dtype != NS_BF16) ||
-        s.kv_heads < 1 || s.heads % s.kv_heads || s.head_dim < 2 || s.head_dim % 2 ||
-        a->block_size < 1 || s.threads < 1 || s.num_layers < 0) {
+        s.hidden < 1 || s.heads < 1 || s.kv_heads < 1 || s.heads % s.kv_heads ||
+        s.head_dim < 2 || s.head_dim % 2 || s.intermediate < 1 || a->block_size < 1 ||
+        a->num_blocks < 1 || a->max_blocks_per_seq < 1 || s.threads < 1 || s.num_layers < 0) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: inconsistent sizes or dtype code");
         return NULL;
     }

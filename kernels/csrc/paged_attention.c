@@ -121,7 +121,6 @@ static inline float elem(const char *restrict row, Py_ssize_t i, int dtype) {
     return ((const float *)row)[i];
 }
 
-
 /* Per-thread float32 scratch, sized once per call. */
 typedef struct {
     float *q;      /* [group, head_dim], pre-scaled */

@@ -1,6 +1,6 @@
 """Every decoder layer of a CPU decode step of up to 4 sequences in one C call.
 
-Llama.forward makes about 25 Python calls per layer; at batch 1 on the 25M benchmark model they
+Llama._layers makes about 25 Python calls per layer; at batch 1 on the 25M benchmark model they
 cost more than half a millisecond a step beside ~3 ms of weight reading. The C step
 (kernels/csrc/decode_step.c) runs the same kernels (RMSNorm, GEMV, RoPE, KV store, paged
 attention) back to back, so a decode step returns to Python once. Prefill chunks, larger batches,
@@ -25,8 +25,9 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 class CpuDecodeStep:
     def __init__(self, model: Llama) -> None:
+        """Reads the weights' addresses once: replacing a layer's tensors afterwards would leave
+        this step reading the old ones (nothing in nanoserve does)."""
         self.model = model
-        # One row of pointers per layer; the cache pointers are filled in on first use.
         self.weights = [
             [
                 t.data_ptr()
@@ -41,7 +42,8 @@ class CpuDecodeStep:
             ]
             for layer in model.layers
         ]
-        self._table: tuple[KVCaches, torch.Tensor] | None = None
+        self._caches: list[torch.Tensor] = []  # the cache tensors behind self._table
+        self._table = torch.empty(0, dtype=torch.uint64)
 
     @staticmethod
     def supported(model: Llama) -> bool:
@@ -49,9 +51,22 @@ class CpuDecodeStep:
         linears += [lin for layer in model.layers for lin in (layer.gate_up, layer.down)]
         return c_backend.AVAILABLE and all(lin.gemv for lin in linears)
 
-    def applies(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        decode_only = meta.num_decode == num_tokens and not meta.prefills
-        return num_tokens <= GEMV_ROWS and decode_only and meta.backend in ("auto", "c")
+    def applies(self, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A decode-only step of 1-4 tokens whose metadata has the C step's types and shapes."""
+        n = positions.shape[0]
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        return (
+            1 <= n <= GEMV_ROWS
+            and meta.num_decode == n
+            and not meta.prefills
+            and meta.backend in ("auto", "c")
+            and positions.dtype == meta.slot_mapping.dtype == torch.int64
+            and tables.dtype == lens.dtype == torch.int32
+            and tables.dim() == 2
+            and tables.shape[0] == lens.shape[0] == n
+            and all(t.is_cpu and t.is_contiguous() for t in (positions, tables, lens))
+            and meta.slot_mapping.is_contiguous()
+        )
 
     def __call__(
         self, h: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata
@@ -60,7 +75,7 @@ class CpuDecodeStep:
         c, k_cache = self.model.config, kv_caches[0][0]
         c_backend.decode_layers(
             h,
-            self._pointers(kv_caches),
+            self._pointers(kv_caches, h.dtype),
             positions,
             meta.slot_mapping,
             self.model.cos,
@@ -76,11 +91,26 @@ class CpuDecodeStep:
             scale=self.model.scale,
         )
 
-    def _pointers(self, kv_caches: KVCaches) -> torch.Tensor:
-        if self._table is None or self._table[0] is not kv_caches:
-            rows = [
-                w + [k.data_ptr(), v.data_ptr()]
-                for w, (k, v) in zip(self.weights, kv_caches, strict=True)
-            ]
-            self._table = (kv_caches, torch.tensor(rows, dtype=torch.uint64))
-        return self._table[1]
+    def _pointers(self, kv_caches: KVCaches, dtype: torch.dtype) -> torch.Tensor:
+        """The [layers, 8] pointer table, rebuilt (and the caches checked) when a cache changes."""
+        caches = [t for pair in kv_caches for t in pair]
+        if len(caches) == len(self._caches) and all(
+            a is b for a, b in zip(caches, self._caches, strict=True)
+        ):
+            return self._table
+        if len(kv_caches) != len(self.weights):
+            raise ValueError(f"{len(kv_caches)} KV cache pairs for {len(self.weights)} layers")
+        c = self.model.config
+        shape = (caches[0].shape[0], c.num_kv_heads, caches[0].shape[2], c.head_dim)
+        for t in caches:
+            if t.shape != shape or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+                raise ValueError(
+                    f"KV caches must be contiguous CPU tensors of {dtype} shaped {shape}, got "
+                    f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                )
+        rows = [
+            w + [k.data_ptr(), v.data_ptr()]
+            for w, (k, v) in zip(self.weights, kv_caches, strict=True)
+        ]
+        self._caches, self._table = caches, torch.tensor(rows, dtype=torch.uint64)
+        return self._table

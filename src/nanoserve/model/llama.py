@@ -67,7 +67,7 @@ class Llama:
         logits_indices: torch.Tensor,  # rows whose next-token logits are needed
     ) -> torch.Tensor:
         h = self.embed[input_ids]  # [num_tokens, hidden], a copy
-        if self.c_step is not None and self.c_step.applies(len(input_ids), meta):
+        if self.c_step is not None and self.c_step.applies(positions, meta):
             self.c_step(h, positions, kv_caches, meta)  # every layer in one C call, h in place
         else:
             h = self._layers(h, positions, kv_caches, meta)
