@@ -77,7 +77,8 @@ static int run_layers(const step_args *s) {
                             qkv_width, s->dtype, s->threads);
         char *k_cache = (char *)(uintptr_t)w[K_CACHE], *v_cache = (char *)(uintptr_t)w[V_CACHE];
         for (Py_ssize_t r = 0; r < M; r++) {
-            const char *row = qkv + (size_t)(r * qkv_width) * es; /* [q heads | k heads | v heads] */
+            /* row r of qkv: [q heads | k heads | v heads] */
+            const char *row = qkv + (size_t)(r * qkv_width) * es;
             memcpy(q + (size_t)(r * q_width) * es, row, (size_t)q_width * es);
             /* the new key and value rows into their cache slot, head by head (a negative slot,
              * a padding row, is skipped as kernels.store_kv skips it) */

@@ -21,8 +21,10 @@ enum { OPS_F32 = NS_F32, OPS_BF16 = NS_BF16 };
 enum { NORM_LANES = 16, PARALLEL_ROWS = 16 };
 
 /* out[r] = w * dtype(x[r] / sqrt(mean(x[r]^2) + eps)), as the reference Llama computes it. */
-static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
-                          Py_ssize_t hidden, float eps, int dtype, int threads) {
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+
+static ALWAYS_INLINE void rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
+                                        Py_ssize_t hidden, float eps, int dtype, int threads) {
 #pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
     for (Py_ssize_t r = 0; r < rows; r++) {
         const Py_ssize_t base = r * hidden;
@@ -49,9 +51,10 @@ static inline __attribute__((always_inline)) void rms_norm_rows(void *out, const
 
 /* For each row t and each of `heads` heads of head_dim values starting at row t * row_stride:
  * x <- x * cos[pos[t]] + rotate_half(x) * sin[pos[t]], rotate_half(x) = (-x2, x1). */
-static inline __attribute__((always_inline)) void rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,
-                      Py_ssize_t rows, Py_ssize_t heads, Py_ssize_t head_dim, Py_ssize_t row_stride,
-                      int dtype, int threads) {
+static ALWAYS_INLINE void rope_rows(void *qk, const int64_t *positions, const void *cos,
+                                    const void *sin, Py_ssize_t rows, Py_ssize_t heads,
+                                    Py_ssize_t head_dim, Py_ssize_t row_stride, int dtype,
+                                    int threads) {
     const Py_ssize_t half = head_dim / 2;
 #pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
     for (Py_ssize_t t = 0; t < rows; t++) {
@@ -60,7 +63,8 @@ static inline __attribute__((always_inline)) void rope_rows(void *qk, const int6
             const Py_ssize_t x = t * row_stride + h * head_dim;
             for (Py_ssize_t i = 0; i < half; i++) {
                 const float a = ns_load(qk, x + i, dtype), b = ns_load(qk, x + half + i, dtype);
-                const float c1 = ns_load(cos, table + i, dtype), s1 = ns_load(sin, table + i, dtype);
+                const float c1 = ns_load(cos, table + i, dtype);
+                const float s1 = ns_load(sin, table + i, dtype);
                 const float c2 = ns_load(cos, table + half + i, dtype);
                 const float s2 = ns_load(sin, table + half + i, dtype);
                 /* rounded after each product, as torch's mul, mul, add are */
