@@ -12,30 +12,34 @@
 
 enum { NS_F32 = 0, NS_BF16 = 1 };
 
+/* bfloat16 <-> float32: widening is exact; narrowing rounds to nearest even, NaN kept quiet. */
+static inline float ns_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t ns_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
 /* Element i of a float32 or bfloat16 array, as float32. */
 static inline float ns_load(const void *p, Py_ssize_t i, int dtype) {
-    if (dtype == NS_BF16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
+    if (dtype == NS_BF16) return ns_bf16_to_f32(((const uint16_t *)p)[i]);
     return ((const float *)p)[i];
 }
 
-/* Stores f as element i, a bfloat16 rounded to nearest even (NaN kept quiet). */
+/* Stores f as element i of a float32 or bfloat16 array. */
 static inline void ns_store(void *p, Py_ssize_t i, float f, int dtype) {
-    if (dtype != NS_BF16) {
-        ((float *)p)[i] = f;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        u = (u >> 16) | 0x0040u; /* quiet NaN */
+    if (dtype == NS_BF16)
+        ((uint16_t *)p)[i] = ns_f32_to_bf16(f);
     else
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* round to nearest even */
-    ((uint16_t *)p)[i] = (uint16_t)u;
+        ((float *)p)[i] = f;
 }
 
 /* f rounded to the dtype and back: where torch would round an intermediate result. */

@@ -27,21 +27,6 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 
 #define ALWAYS_INLINE __attribute__((always_inline)) inline
 
-static ALWAYS_INLINE float bf16_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static ALWAYS_INLINE uint16_t f32_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
 /* 16 elements of w from element i of row, as float32 (unaligned loads through memcpy). */
 static ALWAYS_INLINE v16f load16(const char *row, Py_ssize_t i, const int dtype) {
     v16f f;
@@ -57,7 +42,7 @@ static ALWAYS_INLINE v16f load16(const char *row, Py_ssize_t i, const int dtype)
 }
 
 static ALWAYS_INLINE float elem1(const char *row, Py_ssize_t i, const int dtype) {
-    if (dtype == LIN_BF16) return bf16_f32(((const uint16_t *)row)[i]);
+    if (dtype == LIN_BF16) return ns_bf16_to_f32(((const uint16_t *)row)[i]);
     return ((const float *)row)[i];
 }
 
@@ -93,7 +78,7 @@ static ALWAYS_INLINE void rows_range(const float *restrict x, const char *restri
                 for (int l = 0; l < width; l++) part[l] += part[l + width];
             const size_t o = (size_t)m * (size_t)N + (size_t)n;
             if (dtype == LIN_BF16)
-                ((uint16_t *)out)[o] = f32_bf16(part[0]);
+                ((uint16_t *)out)[o] = ns_f32_to_bf16(part[0]);
             else
                 ((float *)out)[o] = part[0];
         }
@@ -140,7 +125,7 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
         x32 = malloc((size_t)(M * K + 1) * sizeof(float));
         if (!x32) return -1;
         const uint16_t *xh = (const uint16_t *)x;
-        for (Py_ssize_t i = 0; i < M * K; i++) x32[i] = bf16_f32(xh[i]);
+        for (Py_ssize_t i = 0; i < M * K; i++) x32[i] = ns_bf16_to_f32(xh[i]);
         a.x = x32;
     }
     if (N > 0) linear_all(&a, dtype, num_threads);

@@ -29,8 +29,6 @@ static inline uint32_t f32_to_bits(float f) {
     return u;
 }
 
-static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
-
 /* Branch-free (masks, not ternaries) so that a loop over it vectorises. Subnormals go through an
  * int->float conversion, not a denormal multiply, so a flush-denormals mode cannot zero them. */
 static inline float f16_to_f32(uint16_t h) {
@@ -42,13 +40,6 @@ static inline float f16_to_f32(uint16_t h) {
     uint32_t sub = f32_to_bits((float)em * 0x1p-24f);
     uint32_t mag = (sub & is_sub) | (special & is_special) | (normal & ~(is_sub | is_special));
     return bits_to_f32(mag | ((uint32_t)(h & 0x8000u) << 16));
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = f32_to_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
 }
 
 static inline uint16_t f32_to_f16(float f) {
@@ -89,7 +80,7 @@ static void load_row(float *restrict dst, const void *restrict src, Py_ssize_t n
     if (dtype == DTYPE_BF16) {
         const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = ns_bf16_to_f32(s[i]);
     } else if (dtype == DTYPE_F16) {
         const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
@@ -102,7 +93,7 @@ static void load_row(float *restrict dst, const void *restrict src, Py_ssize_t n
 static void store_row(void *restrict dst, const float *restrict src, Py_ssize_t n, int dtype) {
     if (dtype == DTYPE_BF16) {
         uint16_t *d = (uint16_t *)dst;
-        for (Py_ssize_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = ns_f32_to_bf16(src[i]);
     } else if (dtype == DTYPE_F16) {
         uint16_t *d = (uint16_t *)dst;
         for (Py_ssize_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
@@ -116,7 +107,7 @@ static size_t dtype_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
 /* Element i of a row of dtype, as float32. Called with a constant dtype, the branches fold away and
  * the widening vectorises with the arithmetic around it. */
 static inline float elem(const char *restrict row, Py_ssize_t i, int dtype) {
-    if (dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)row)[i]);
+    if (dtype == DTYPE_BF16) return ns_bf16_to_f32(((const uint16_t *)row)[i]);
     if (dtype == DTYPE_F16) return f16_to_f32(((const uint16_t *)row)[i]);
     return ((const float *)row)[i];
 }
