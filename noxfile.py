@@ -1,10 +1,19 @@
-"""Sessions: tests (the CI suite), lint (ruff + mypy), bench (benchmarks)."""
+"""Sessions: tests and tests_avx2 (the CI suite, run by a bare `nox`), lint (ruff + mypy),
+bench (benchmarks), soak."""
 
 import nox
 
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests", "tests_avx2"]
 # A CPU build that lies on the development and CI machines; a bare "torch" may pull a CUDA build.
 TORCH = "torch==2.13.0"
+# What differs between x86-64 CPUs: these tests run again as on a CPU with AVX2 but no AVX-512.
+CPU_DEPENDENT_TESTS = [
+    "tests/test_linear.py",
+    "tests/test_kernels.py",
+    "tests/test_cpu_step.py",
+    "tests/test_oracle.py",
+    "tests/test_engine.py",
+]
 
 
 @nox.session
@@ -12,6 +21,18 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def tests_avx2(session: nox.Session) -> None:
+    """The CPU-dependent tests as an AVX2-only machine runs them, whatever this machine has: the
+    C kernels built for x86-64-v3, torch's kernels and oneDNN capped at AVX2 (so oneDNN refuses
+    bf16 packing, as it does on an AMD EPYC without AVX-512)."""
+    session.install(TORCH)
+    session.install(".[test]", env={"NANOSERVE_MARCH": "x86-64-v3"})
+    capped = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    # Not editable: the package, and its C module, come from this session's own build.
+    session.run("pytest", *CPU_DEPENDENT_TESTS, *session.posargs, env=capped)
 
 
 @nox.session

@@ -84,7 +84,7 @@ def machine(device: torch.device) -> dict:
         "device": str(device),
         "device_name": cpu_model(),
     }
-    if c_backend.AVAILABLE:
+    if c_backend._C is not None:
         info["c_openmp_max_threads"] = c_backend._C.openmp_max_threads()
     try:
         import triton

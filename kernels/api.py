@@ -8,24 +8,18 @@ whose rows may be strided) and do no checks of their own.
 import importlib.util
 import math
 import numbers
-import warnings
 from types import ModuleType
 
 import torch
 
 from . import c_backend, torch_ref
+from .errors import BackendUnavailableError
 
 BACKENDS = ("auto", "torch", "c", "triton")
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _Q_LAYOUT = "[num_seqs, num_q_heads, head_dim]"
 _CACHE_LAYOUT = "[num_blocks, num_kv_heads, block_size, head_dim]"
 _KV_LAYOUT = "[num_tokens, num_kv_heads, head_dim]"
-
-_warned: set[str] = set()
-
-
-class BackendUnavailableError(RuntimeError):
-    """The requested backend cannot run here (not built, not installed, or wrong device)."""
 
 
 def paged_attention_decode(
@@ -83,10 +77,10 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
     x [M, K], w [N, K], float32 or bfloat16 (the same), CPU, contiguous; out [M, N] of x's dtype.
     For M <= 4 the C kernel streams w at memory speed (MKL's GEMV does not), accumulating in
     float32 in an order that depends on neither M nor the thread count, so results are bitwise
-    reproducible and batch invariant. Without the C module, or for M > 4, torch's F.linear.
+    reproducible and batch invariant. For M > 4 (or with the C kernels switched off), F.linear.
     """
     _check_small_linear(x, w, out)
-    if not c_backend.AVAILABLE or not 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+    if not 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS or not c_backend.enabled():
         result = torch.nn.functional.linear(x, w)
         return result if out is None else out.copy_(result)
     if out is None:
@@ -165,8 +159,8 @@ def _check_positions(positions: torch.Tensor, table_rows: int) -> None:
 
 
 def _cpu_ops(x: torch.Tensor) -> ModuleType:
-    """The C module for CPU float32/bfloat16 tensors when it is built; otherwise torch."""
-    if x.device.type == "cpu" and x.dtype in SMALL_LINEAR_DTYPES and c_backend.AVAILABLE:
+    """The C module for CPU float32/bfloat16 tensors; otherwise torch."""
+    if x.device.type == "cpu" and x.dtype in SMALL_LINEAR_DTYPES and c_backend.enabled():
         return c_backend
     return torch_ref
 
@@ -174,7 +168,7 @@ def _cpu_ops(x: torch.Tensor) -> ModuleType:
 def available_backends(device: str | torch.device = "cpu") -> list[str]:
     """The explicit backends that can run on tensors of this device here."""
     names = ["torch"]
-    if torch.device(device).type == "cpu" and c_backend.AVAILABLE:
+    if torch.device(device).type == "cpu" and c_backend._C is not None:
         names.append("c")
     if _triton_runs_on(torch.device(device)):
         names.append("triton")
@@ -193,27 +187,17 @@ def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or triton_decode.INTERPRETED
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
 def _backend(backend: str, device: torch.device) -> ModuleType:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        if device.type == "cpu" and not c_backend.AVAILABLE:
-            _warn_once("c", c_backend.BUILD_HINT + "; using the slower torch backend")
-            return torch_ref
-        if device.type == "cuda" and not _triton_installed():
-            _warn_once("triton", "triton is not installed; using the slower torch backend")
-            return torch_ref
-        backend = {"cpu": "c", "cuda": "triton"}.get(device.type, "torch")
+        if device.type == "cpu":
+            return c_backend if c_backend.enabled() else torch_ref
+        return _backend("triton", device) if device.type == "cuda" else torch_ref
     if backend == "c":
         if device.type != "cpu":
             raise BackendUnavailableError(f"backend='c' needs CPU tensors; they are on {device}")
-        if not c_backend.AVAILABLE:
+        if c_backend._C is None:
             raise BackendUnavailableError(c_backend.BUILD_HINT)
         return c_backend
     if backend == "triton":

@@ -1,10 +1,13 @@
 """The C backend: hands data pointers, sizes and a dtype code to the compiled module _C.
 
-_C is built from the files in csrc/ by `pip install` (setup.py); it may be
-missing, and then AVAILABLE is False and BUILD_HINT says why and how to build it.
+_C is built from the files in csrc/ by `pip install` (setup.py), which fails if it cannot build
+it. A source tree that was never built has no _C: every CPU kernel call then raises
+BackendUnavailableError with BUILD_HINT, never falling back to slower code in silence.
 """
 
 import torch
+
+from .errors import BackendUnavailableError
 
 try:
     from . import _C
@@ -14,12 +17,22 @@ except ImportError as e:
 else:
     _IMPORT_ERROR = ""
 
-AVAILABLE = _C is not None
 BUILD_HINT = (
-    f"the C kernel nanoserve.kernels._C is not built ({_IMPORT_ERROR or 'not found'}); build it "
-    "with gcc installed: `pip install -e .` from the repository root, or "
-    "`python setup.py build_ext --inplace`"
+    f"the C kernels nanoserve.kernels._C are not built ({_IMPORT_ERROR or 'not found'}); build "
+    "them with gcc installed: `pip install -e .` from the repository root"
 )
+# The CPU ops take the C kernels while this is True; tests set it to False to run the torch
+# paths that a GPU takes, on the CPU.
+ENABLED = True
+
+
+def enabled() -> bool:
+    """True when CPU ops go to C; raises if they should but the module was never built."""
+    if ENABLED and _C is None:
+        raise BackendUnavailableError(BUILD_HINT)
+    return ENABLED
+
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 

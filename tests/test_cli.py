@@ -2,8 +2,13 @@
 
 import subprocess
 import sys
+import re
+import socket
+
+import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.demo import demo_model_dir
 
 
 def _run(*args, env_cache):
@@ -34,11 +39,16 @@ def test_generate_on_a_checkpoint_prints_prompt_and_greedy_completion(tiny_model
     assert result.stdout == "Hello" + expected.outputs[0].text + "\n"
 
 
-def test_generate_without_a_model_builds_and_uses_the_demo(tmp_path):
+def test_generate_without_a_model_builds_and_uses_the_demo(tmp_path, monkeypatch):
     result = _run("generate", "--prompt", "Once upon a time", env_cache=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("Once upon a time")
-    assert any(p.name.startswith("demo-") for p in tmp_path.iterdir())
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    (demo,) = [p for p in tmp_path.iterdir() if p.name.startswith("demo-")]
+    assert demo == demo_model_dir()  # built by the command, found again here
+    expected = LLM(str(demo)).generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=32), use_tqdm=False
+    )[0]
+    assert result.stdout == "Once upon a time" + expected.outputs[0].text + "\n"
 
 
 def test_generate_reports_bad_arguments_without_a_traceback(tiny_model_dir, tmp_path):
@@ -46,6 +56,81 @@ def test_generate_reports_bad_arguments_without_a_traceback(tiny_model_dir, tmp_
         "generate", str(tiny_model_dir), "--prompt", "x", "--top-p", "2", env_cache=tmp_path
     )
     assert result.returncode == 2
-    assert "top_p must be" in result.stderr and "Traceback" not in result.stderr
-    result = _run("generate", str(tmp_path / "nowhere"), "--prompt", "x", env_cache=tmp_path)
-    assert result.returncode == 2 and "config.json" in result.stderr
+    _one_line_error(result, "top_p must be")
+
+
+def _one_line_error(result, *words):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nanoserve: "), result.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir, tmp_path):
+    """The server's socket is bound before the model loads: a port in use ends the command
+    with one line (no model-loading log before it) and exit status 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("serve", str(tiny_model_dir), "--port", str(port), env_cache=tmp_path)
+    _one_line_error(result, f"127.0.0.1:{port} is in use; pass --port")
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--block-size", "3"], ["block_size=3"]),
+        (["--dtype", "float16"], ["float16 is not supported on the CPU"]),
+        (["--device", "cuda"], ["--device cuda", "no CUDA device"]),
+        (["--max-queue", "-1"], ["--max-queue must be >= 0"]),
+    ],
+)
+def test_bad_settings_are_one_line(tiny_model_dir, tmp_path, args, words):
+    result = _run("serve", str(tiny_model_dir), *args, env_cache=tmp_path)
+    _one_line_error(result, *words)
+
+
+def test_a_missing_model_is_one_line(tmp_path):
+    for command in (["serve"], ["generate", "--prompt", "x"]):
+        result = _run(*command, str(tmp_path / "nowhere"), env_cache=tmp_path)
+        _one_line_error(result, "no model at", "nowhere")
+        result = _run(*command, str(tmp_path), env_cache=tmp_path)
+        _one_line_error(result, "no config.json")
+
+
+def test_help_imports_no_torch_and_describes_every_flag():
+    """--help parses without importing torch (what made it take seconds); every option has a
+    description, and every option with a value shows its default."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from nanoserve.cli import main\n"
+        "for argv in ([], ['serve'], ['generate']):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "        main(argv + ['--help'])\n"
+        "    print(out.getvalue())\n"
+        "    print('=====')\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    *helps, torch_loaded = result.stdout.split("=====\n")
+    assert torch_loaded.strip() == "False"
+    top, serve, generate = helps
+    assert "serve" in top and "generate" in top and "--version" in top
+    for text in (serve, generate):
+        options = text.split("options:", 1)[1]
+        entries = re.split(r"\n  (?=-)", options)[1:]
+        assert len(entries) > 10
+        for entry in entries:
+            flag, _, description = entry.partition("  ")
+            assert description.strip(), f"{flag} has no description"
+            takes_value = " " in flag.split(",")[-1].strip()
+            if takes_value and "--prompt" not in flag:
+                assert "(default:" in entry, f"{flag} shows no default"
+
+
+def test_version(tmp_path):
+    result = _run("--version", env_cache=tmp_path)
+    assert result.returncode == 0 and re.fullmatch(r"nanoserve \d+\.\d+\.\d+\n", result.stdout)

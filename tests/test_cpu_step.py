@@ -6,7 +6,6 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import c_backend
 
-pytestmark = pytest.mark.skipif(not c_backend.AVAILABLE, reason="C module not built")
 
 
 def _spy(monkeypatch, step) -> list[int]:

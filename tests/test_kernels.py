@@ -37,9 +37,7 @@ ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 def backend_param(device: str, backend: str):
     """pytest.param(device, backend), skipped where that backend cannot run in this process."""
     reason = None
-    if backend == "c" and not c_backend.AVAILABLE:
-        reason = "C module not built"
-    elif backend == "triton" and not HAS_TRITON:
+    if backend == "triton" and not HAS_TRITON:
         reason = "triton not installed"
     elif backend == "triton" and device == "cpu" and not TRITON_INTERPRETED:
         reason = "run by test_triton_on_cpu_in_interpreter (TRITON_INTERPRET=1 subprocess)"
@@ -356,20 +354,21 @@ def test_store_kv_rejects_bad_arguments(device, backend):
             kernels.store_kv(**{**args, **change}, backend=backend)
 
 
-def test_missing_c_module(gen, monkeypatch):
-    """backend='c' says how to build the module; 'auto' warns once and falls back to torch."""
-    monkeypatch.setattr(c_backend, "AVAILABLE", False)
-    monkeypatch.setattr(api, "_warned", set())
+def test_missing_c_module_is_an_error_not_a_fallback(gen, monkeypatch):
+    """A source tree whose C kernels were never built: every CPU call says how to build them."""
+    monkeypatch.setattr(c_backend, "_C", None)
     case = make_case(gen, [9, 30], 4, 2, 64, 8, torch.float32)
-    with pytest.raises(kernels.BackendUnavailableError, match="pip install -e ."):
-        kernels.paged_attention_decode(*case.args(), backend="c")
-    with pytest.warns(RuntimeWarning, match="using the slower torch backend"):
-        out = kernels.paged_attention_decode(*case.args())
-    torch.testing.assert_close(out.double(), reference(case), atol=ATOL[torch.float32], rtol=0)
+    for backend in ("c", "auto"):
+        with pytest.raises(kernels.BackendUnavailableError, match="pip install -e ."):
+            kernels.paged_attention_decode(*case.args(), backend=backend)
+    x, w = linear_case(gen, 2, 19, 45, torch.float32)
+    with pytest.raises(kernels.BackendUnavailableError, match="not built"):
+        kernels.small_linear(x, w)
     assert "c" not in kernels.available_backends("cpu")
+    out = kernels.paged_attention_decode(*case.args(), backend="torch")  # explicit torch works
+    torch.testing.assert_close(out.double(), reference(case), atol=ATOL[torch.float32], rtol=0)
 
 
-@pytest.mark.skipif(not c_backend.AVAILABLE, reason="C module not built")
 def test_c_kernel_uses_torch_thread_count(gen):
     """The kernel takes torch's thread setting; results do not depend on it."""
     case = make_case(gen, [100, 7, 64, 300], 8, 2, 64, 16, torch.bfloat16)
@@ -439,7 +438,6 @@ def test_small_linear_fills_poisoned_out(gen, dtype, m):
     assert_linear_close(out, x, w)
 
 
-@pytest.mark.skipif(not c_backend.AVAILABLE, reason="C module not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_linear_is_deterministic_and_batch_invariant(gen, dtype):
     """One summation order per out[m, n]: the same bits for any M, row block or thread count."""
@@ -460,8 +458,8 @@ def test_small_linear_is_deterministic_and_batch_invariant(gen, dtype):
     assert torch.equal(kernels.small_linear(x[:1], w[5:100]), one[:1, 5:100])
 
 
-def test_small_linear_without_c_module(gen, monkeypatch):
-    monkeypatch.setattr(c_backend, "AVAILABLE", False)
+def test_small_linear_with_c_switched_off(gen, monkeypatch):
+    monkeypatch.setattr(c_backend, "ENABLED", False)
     x, w = linear_case(gen, 2, 19, 45, torch.float32)
     assert_linear_close(kernels.small_linear(x, w), x, w)
 
@@ -498,10 +496,8 @@ def test_small_linear_rejects_bad_arguments(gen, name, bad, error, words):
 # rms_norm and rope_: one C call each on the CPU, checked against the torch reference.
 
 
-needs_c = pytest.mark.skipif(not c_backend.AVAILABLE, reason="C module not built")
 
 
-@needs_c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (3, 37), (40, 512)])
 def test_rms_norm_matches_torch(gen, dtype, rows, hidden):
@@ -516,7 +512,6 @@ def test_rms_norm_matches_torch(gen, dtype, rows, hidden):
     torch.testing.assert_close(out, expected, **tol)
 
 
-@needs_c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_rope_matches_torch_in_place_on_a_column_slice(gen, dtype, rows):
@@ -536,7 +531,6 @@ def test_rope_matches_torch_in_place_on_a_column_slice(gen, dtype, rows):
     assert torch.equal(got[:, v], qkv[:, v])
 
 
-@needs_c
 def test_norm_and_rope_do_not_depend_on_rows_or_threads(gen):
     x = torch.randn(40, 96, generator=gen)
     weight, positions = torch.randn(96, generator=gen), torch.arange(40)
@@ -560,9 +554,7 @@ def test_norm_and_rope_do_not_depend_on_rows_or_threads(gen):
 @pytest.mark.parametrize("with_c", [True, False])
 @pytest.mark.parametrize("bad", [8, -1])
 def test_rope_rejects_a_position_outside_the_table(gen, monkeypatch, with_c, bad):
-    if with_c and not c_backend.AVAILABLE:
-        pytest.skip("C module not built")
-    monkeypatch.setattr(c_backend, "AVAILABLE", with_c)
+    monkeypatch.setattr(c_backend, "ENABLED", with_c)
     qk = torch.randn(2, 32, generator=gen)
     cos = sin = torch.ones(8, 16)
     with pytest.raises(ValueError, match=rf"positions\[1\] = {bad} is outside \[0, 8\)"):

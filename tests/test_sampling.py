@@ -1,9 +1,8 @@
 """Each sampling parameter changes the output the way it should; bad values are refused by name."""
 
-import math
-
 import pytest
 import torch
+import transformers
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.sampling import SampleRow, sample
@@ -71,18 +70,24 @@ def test_max_tokens_finishes_with_length(llm):
 
 
 def test_eos_stops_unless_ignored(tiny_model_dir):
+    """A greedy run's fifth token is made the EOS: generation stops on it (the token is kept in
+    token_ids, not in the text) unless ignore_eos, which runs to max_tokens instead."""
     llm = LLM(str(tiny_model_dir))
-    eos = sorted(llm.engine.eos_token_ids)[0]
-    row = SampleRow(SamplingParams(temperature=0), 0, 0, [1], [], banned_ids=[])
-    logits = torch.zeros(1, llm.engine.model_config.vocab_size)
-    logits[0, eos] = 10.0
-    assert sample(logits, [row])[0].token_id == eos
-    banned = SampleRow(SamplingParams(temperature=0), 0, 0, [1], [], banned_ids=[eos])
-    assert sample(logits, [banned])[0].token_id != eos
+    full = _tokens(llm, temperature=0, max_tokens=12)
+    eos = full.token_ids[4]
+    first = full.token_ids.index(eos)
+    llm.engine.eos_token_ids = {eos}
+    stopped = _tokens(llm, temperature=0, max_tokens=12, ignore_eos=False)
+    assert stopped.token_ids == full.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    assert full.text.startswith(stopped.text) and len(stopped.text) < len(full.text)
+    ignored = _tokens(llm, temperature=0, max_tokens=12, ignore_eos=True)
+    assert ignored.token_ids == full.token_ids and ignored.finish_reason == "length"
+    held = _tokens(llm, temperature=0, max_tokens=12, ignore_eos=False, min_tokens=first + 2)
+    assert eos not in held.token_ids[: first + 2]  # banned until min_tokens
 
 
 def test_penalties_push_away_from_repeats():
-    vocab = 8
     logits = torch.tensor([[2.0, 1.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
     base = SampleRow(SamplingParams(temperature=0), 0, 1, [3], [0])
     assert sample(logits, [base])[0].token_id == 0
@@ -93,19 +98,24 @@ def test_penalties_push_away_from_repeats():
     ):
         row = SampleRow(params, 0, 1, [3], [0])
         assert sample(logits, [row])[0].token_id == 1, params
-    assert vocab == logits.shape[1]
 
 
-def test_logprobs_report_chosen_and_top_n(llm):
+def test_logprobs_report_chosen_and_top_n(llm, tiny_model_dir):
+    """Each entry holds the sampled token and the top 3 of the model's own distribution, with
+    the values and ranks of transformers' log-softmax at that position."""
     out = _tokens(llm, temperature=1.0, seed=1, logprobs=3, max_tokens=6)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.tensor([PROMPT["prompt_token_ids"] + list(out.token_ids)])
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(PROMPT["prompt_token_ids"]) - 1 : -1]
+    expected = torch.log_softmax(logits.double(), dim=-1)
     assert len(out.logprobs) == 6
-    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
-        assert token in entry
-        assert len(entry) in (3, 4)
-        top = sorted((lp.rank, lp.logprob) for lp in entry.values())
-        assert top[0][0] == 1 and all(lp <= 0 for _, lp in top)
-        assert all(a[1] >= b[1] for a, b in zip(top, top[1:], strict=False))
-    assert all(math.exp(lp.logprob) <= 1 for lp in out.logprobs[0].values())
+    for token, entry, row in zip(out.token_ids, out.logprobs, expected, strict=True):
+        top = row.topk(3).indices.tolist()
+        assert set(entry) == {token, *top}
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(row[t]), abs=1e-4)
+            assert lp.rank == int((row > row[t]).sum()) + 1
 
 
 @pytest.mark.parametrize(

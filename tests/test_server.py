@@ -6,6 +6,7 @@ Answers are checked against the offline engine (`nanoserve.LLM`) on the same tin
 test_disconnect.py.
 """
 
+import contextlib
 import json
 import signal
 import socket
@@ -18,6 +19,7 @@ import trio
 from nanoserve import LLM, SamplingParams
 from nanoserve.harness import (
     MODEL_NAME,
+    WAIT_S,
     chat_token_ids,
     live_server,
     open_request,
@@ -407,10 +409,73 @@ async def test_bodies_over_the_limit_are_413(tiny_model_dir):
         assert (await server.http.post(C, json=COMPLETION)).status_code == 200
 
 
+async def _response(stream: trio.SocketStream) -> tuple[int, dict[str, str], bytes]:
+    """One response with a Content-Length body, read off a raw connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some()
+        assert chunk, f"closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
+    while len(body) < int(headers["content-length"]):
+        body += await stream.receive_some()
+    return int(status_line.split()[1]), headers, body
+
+
+def _raw(method: str, path: str, body: bytes = b"", headers: dict | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: test", *(f"{k}: {v}" for k, v in
+             {"Content-Type": "application/json", **(headers or {})}.items())]  # fmt: skip
+    if body and "Transfer-Encoding" not in (headers or {}):
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def test_a_refused_request_never_hangs_its_connection(tiny_model_dir):
+    """After a response sent before the body was read (413, 401, 404) or after a 400 for an
+    unparsable body, the same connection answers the next request, or the refusal said
+    `Connection: close` and the server closed it. (A 413 used to leave the connection silent.)"""
+    big = json.dumps({"prompt": "x" * 2000}).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big)
+    auth = {"Authorization": "Bearer k"}
+    cases = [
+        (413, _raw("POST", C, big, auth)),
+        (413, _raw("POST", C, chunked, {**auth, "Transfer-Encoding": "chunked"})),
+        (413, _raw("POST", C, b" " * (16 * 2**20), auth)),
+        (401, _raw("POST", C, big)),
+        (404, _raw("POST", "/v1/nothing", big, auth)),
+        (400, _raw("POST", C, b"{", auth)),
+    ]
+    async with live_server(
+        tiny_model_dir, num_kv_blocks=BLOCKS, max_body_bytes=1000, api_key="k"
+    ) as server:
+        for expected, request in cases:
+            stream = await trio.open_tcp_stream(server.host, server.port)
+            server.raw.append(stream)
+
+            async def send(request=request, stream=stream):
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await stream.send_all(request + _raw("GET", "/v1/models", headers=auth))
+
+            with trio.fail_after(WAIT_S):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(send)
+                    status, headers, _ = await _response(stream)
+                    assert status == expected
+                    if headers.get("connection") == "close":
+                        while await stream.receive_some():
+                            pass  # the server closes: the client knows to reconnect
+                    else:
+                        status, _, models = await _response(stream)
+                        assert status == 200 and MODEL_NAME.encode() in models
+            assert expected == 400 or headers.get("connection") == "close", (expected, headers)
+
+
 async def test_api_key_guards_every_route_but_health(tiny_model_dir):
     async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS, api_key="s3cret") as server:
         assert (await server.http.post(C, json=COMPLETION)).status_code == 200
-        async with httpx.AsyncClient(base_url=server.url) as anonymous:
+        async with httpx.AsyncClient(base_url=server.url, timeout=WAIT_S) as anonymous:
             for path in ("/v1/models", "/metrics"):
                 error = _error(await anonymous.get(path), 401)
                 assert error["code"] == "invalid_api_key"
@@ -464,6 +529,36 @@ async def test_serve_command_answers_then_exits_on_sigterm_despite_open_connecti
             assert await proc.wait() == 0
     error = json.loads(events[-2])["error"]
     assert "shutting down" in error["message"] and error["type"] == "server_error"
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+async def test_a_second_signal_stops_at_once_and_still_ends_the_streams(
+    tiny_model_factory, signum, status
+):
+    """The first signal starts the graceful drain; a second one, during it, fails the open
+    stream at once (an error event, then [DONE]) and exits with 128 + the signal's number,
+    saying so in one line and with no traceback."""
+    model_dir = tiny_model_factory(max_position_embeddings=16384)
+    async with serve_command(model_dir) as (proc, server):
+        body = {"prompt": PROMPT, "stream": True, **LONG, "max_tokens": 16000}
+        stream = await open_request(server, C, body)
+        await read_until(stream, b"data: ")
+        proc.send_signal(signum)
+        log = b""
+        with trio.fail_after(WAIT_S):
+            while b"shutting down" not in log:
+                log += await proc.stderr.receive_some()
+        proc.send_signal(signum)
+        with trio.fail_after(WAIT_S):
+            events = sse_data(await read_until(stream, b"data: [DONE]\n\n"))
+            assert await proc.wait() == status
+            while chunk := await proc.stderr.receive_some():
+                log += chunk
+    error = json.loads(events[-2])["error"]
+    assert "stopped" in error["message"] and error["type"] == "server_error"
+    lines = log.decode().strip().splitlines()
+    assert lines[-1] == f"nanoserve: second {signal.Signals(signum).name}, stopped without waiting"
+    assert "Traceback" not in log.decode()
 
 
 async def test_serve_command_exits_on_sigterm_despite_a_client_that_stopped_reading(

@@ -1,68 +1,197 @@
-"""Command line: `nanoserve serve [MODEL_DIR]` (the OpenAI-compatible server) and
-`nanoserve generate [MODEL_DIR] --prompt TEXT` (offline). Without a model directory both run the
-built-in demo model (a small random Llama built on first use, no download).
+"""Command line: `nanoserve serve [MODEL]` (the OpenAI-compatible server) and
+`nanoserve generate [MODEL] --prompt TEXT` (offline). Without a model both run the built-in demo
+model (a small random Llama built on first use, no download).
+
+Parsing imports nothing heavy, so `--help` answers at once; torch loads only when a command runs.
+A mistake the user can fix (a bad flag value, a missing model, a port in use) is one line on
+stderr and exit status 2, found before the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import errno
+import socket
 import sys
+from dataclasses import asdict, fields
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.config import DTYPES, EngineConfig, ServerConfig
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its surroundings: printed as one line, exit status 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nanoserve")
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="complete a prompt offline and print the text")
-    gen.add_argument("model", nargs="?", help="Hugging Face checkpoint directory (default: demo)")
-    gen.add_argument("--prompt", action="append", required=True, help="may be given repeatedly")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
-    _add_serve(commands)
-    args = parser.parse_args(argv)
-    return _serve(args) if args.command == "serve" else _generate(args)
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"nanoserve: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C before the server's own signal handling took over
+        print("nanoserve: interrupted", file=sys.stderr)
+        return 130
 
 
-def _add_serve(commands: argparse._SubParsersAction) -> None:
-    from nanoserve.server import DEFAULT_MAX_BODY_BYTES
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"nanoserve {version('nanoserve')}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = _command(commands, "serve", "run the OpenAI-compatible HTTP server", _serve)
+    _model_argument(serve)
+    _server_flags(serve)
+    _engine_flags(serve)
+    serve.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="logging threshold (info logs one line per request)",
+    )  # fmt: skip
+    gen = _command(commands, "generate", "complete prompts offline and print the text", _generate)
+    _model_argument(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the random draws (default: random)")
+    _engine_flags(gen)
+    return parser
 
-    srv = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    srv.add_argument("model", nargs="?", help="Hugging Face checkpoint directory (default: demo)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    srv.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (weights in bf16/fp16)")
-    srv.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="CUDA: share of device memory for weights and KV cache",
-    )
-    srv.add_argument("--block-size", type=int, default=16)
-    srv.add_argument("--num-kv-blocks", type=int, default=None, help="overrides the memory size")
-    srv.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
-    srv.add_argument("--max-num-seqs", type=int, default=64)
-    srv.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    srv.add_argument("--max-model-len", type=int, default=None)
-    srv.add_argument("--max-queue", type=int, default=None, help="503 past this many waiting")
-    srv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
-    srv.add_argument("--served-model-name", default=None, help="default: MODEL_DIR as given")
-    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+class _Help(argparse.HelpFormatter):
+    """Shows each option's default, unless its description already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _command(commands: Any, name: str, help: str, run: Any) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help=help, description=help, formatter_class=_Help)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", nargs="?", default=None,
+        help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json); "
+        "default: the built-in demo model",
+    )  # fmt: skip
+
+
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    parser.add_argument("--host", default=d.host, help="address to listen on")
+    parser.add_argument("--port", type=int, default=d.port, help="port to listen on (0: any)")
+    parser.add_argument(
+        "--served-model-name", default=None,
+        help="the model's name in the API (default: MODEL as given, or 'demo')",
+    )  # fmt: skip
+    parser.add_argument(
+        "--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on every route "
+        "but /health (default: none required)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-queue", type=int, default=d.max_queue,
+        help="answer 503 with Retry-After once this many requests wait (default: no limit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=d.max_body_bytes,
+        help="largest request body accepted (413 above)",
+    )  # fmt: skip
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    d, add = EngineConfig(), parser.add_argument
+    add("--dtype", default=d.dtype, choices=DTYPES, help="of weights, activations and KV cache")
+    add("--device", default=d.device, help="cpu, or cuda[:N]")
+    add("--block-size", type=int, default=d.block_size, help="tokens per KV block (a power of 2)")
+    add("--num-kv-blocks", type=int, default=d.num_kv_blocks,
+        help="KV cache blocks (default: from --kv-cache-memory, or from free GPU memory)")
+    add("--kv-cache-memory", dest="kv_cache_memory_gb", type=float,
+        default=d.kv_cache_memory_gb, help="CPU: GiB for the KV cache")
+    add("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+        help="CUDA: share of device memory for weights and KV cache")
+    add("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
+    add("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+        help="most tokens in one step")
+    add("--max-model-len", type=int, default=d.max_model_len,
+        help="context length (default: the model's, or what the cache holds if less)")
+    add("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        help="do not reuse the KV blocks of earlier prompts")
+    add("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+        help="run each prompt whole instead of in chunks of the token budget")  # fmt: skip
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    try:
+        config = EngineConfig(**values)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    _check_device(config)
+    return config
+
+
+def _check_device(config: EngineConfig) -> None:
+    import torch
+
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {config.device}: torch sees no CUDA device here")
+    if config.device == "cpu" and config.dtype == "float16":
+        raise UsageError("--dtype float16 is not supported on the CPU; use float32 or bfloat16")
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model is None:
+        from nanoserve.demo import demo_model_dir
+
+        return demo_model_dir()
+    path = Path(args.model)
+    if not path.exists():
+        raise UsageError(f"no model at {args.model}")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{args.model} is not a Hugging Face checkpoint: no config.json in it")
+    return path
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads so that a port in use is found at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(f"{host}:{port} is in use; pass --port") from None
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.max_queue is not None and args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    server_config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+        max_body_bytes=args.max_request_bytes,
+    )  # fmt: skip
+    engine_config = _engine_config(args)
+    model_dir = _model_dir(args)
+    sock = _listen(args.host, args.port)
+    import logging
+
     import trio
 
-    from nanoserve.config import EngineConfig
-    from nanoserve.demo import demo_model_dir
     from nanoserve.engine import Engine
     from nanoserve.server import create_app, serve
     from nanoserve.serving import Serving
@@ -70,46 +199,35 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    name = args.served_model_name or args.model or "demo"
     try:
-        config = EngineConfig(
-            dtype=args.dtype, device=args.device, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )  # fmt: skip
-        if args.max_queue is not None and args.max_queue < 0:
-            raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-        engine = Engine(args.model or demo_model_dir(), config)
+        engine = Engine(model_dir, engine_config)
     except (ValueError, FileNotFoundError) as e:
-        print(f"nanoserve: {e}", file=sys.stderr)
-        return 2
-    serving = Serving(engine, max_queue=args.max_queue)
-    app = create_app(serving, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes)
+        raise UsageError(str(e)) from None
+    name = args.served_model_name or args.model or "demo"
+    serving = Serving(engine, max_queue=server_config.max_queue)
+    app = create_app(serving, name, server_config.api_key, server_config.max_body_bytes)
     logging.getLogger("nanoserve").info(
         "model %r: %d KV blocks of %d tokens, context %d tokens",
-        name, engine.num_blocks, config.block_size, engine.max_model_len,
+        name, engine.num_blocks, engine_config.block_size, engine.max_model_len,
     )  # fmt: skip
-    trio.run(serve, app, serving, args.host, args.port)
-    return 0
+    return trio.run(serve, app, serving, sock, server_config.graceful_timeout)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from nanoserve.demo import demo_model_dir
     from nanoserve.llm import LLM
+    from nanoserve.sampling import SamplingParams
 
-    model = args.model or str(demo_model_dir())
+    config = _engine_config(args)
+    model_dir = _model_dir(args)
     try:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             max_tokens=args.max_tokens, seed=args.seed,
         )  # fmt: skip
-        llm = LLM(model, dtype=args.dtype, device=args.device)
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"nanoserve: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    llm = LLM(str(model_dir), **asdict(config))
+    outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for prompt, out in zip(args.prompt, outputs, strict=True):
         print(prompt + out.outputs[0].text)
     return 0

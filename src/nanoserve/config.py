@@ -2,7 +2,8 @@
 
 `ModelConfig` reads a Hugging Face `config.json` (both the `rope_theta` + `rope_scaling` layout of
 the published Llama-3.2 checkpoints and the newer `rope_parameters` layout). `EngineConfig` holds
-the engine's knobs. Both are frozen: nothing here changes after start-up.
+the engine's knobs. Both are frozen: nothing here changes after start-up. Imports no torch, so the
+command line can show its defaults at once.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,6 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeConfig
     tie_word_embeddings: bool
-    torch_dtype: str = "float32"
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
@@ -80,8 +80,6 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rope=_rope_config(d),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            torch_dtype=d.get("torch_dtype") or d.get("dtype") or "float32",
-            bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(_as_ids(d.get("eos_token_id"))),
         )
 
@@ -151,4 +149,18 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the HTTP server runs: where it listens, whom it admits, how much it queues."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int | None = None  # 503 past this many waiting requests
+    max_body_bytes: int = 4 * 2**20
+    graceful_timeout: float = 3.0  # seconds open requests get to finish after SIGINT/SIGTERM

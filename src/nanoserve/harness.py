@@ -186,7 +186,7 @@ async def serve_command(model_dir: Path, *flags: str) -> AsyncIterator[tuple[Any
                 log += chunk
         url = log.split(b"ready: ", 1)[1].split()[0].decode()
         host, port = url.removeprefix("http://").rsplit(":", 1)
-        async with httpx.AsyncClient(base_url=url) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as http:
             server = LiveServer(url, host, int(port), None, None, None, http)  # type: ignore[arg-type]
             try:
                 yield proc, server

@@ -13,10 +13,13 @@ import json
 import logging
 import os
 import signal
+import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, aclosing
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -25,10 +28,11 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from nanoserve.config import ServerConfig
 from nanoserve.engine import RequestRejected
 from nanoserve.outputs import RequestOutput
 from nanoserve.protocol import (
@@ -47,14 +51,52 @@ from nanoserve.serving import EngineDead, Overloaded, RequestFailed, Serving
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger("nanoserve.server")
+access_log = logging.getLogger("nanoserve.access")
 
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_BODY_BYTES = ServerConfig.max_body_bytes
 LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized off the event loop
-GRACEFUL_TIMEOUT = 3.0  # seconds open requests get to finish after SIGINT/SIGTERM
+HARD_STOP_FLUSH_S = 0.3  # after a second signal: time for open streams to write their ending
 
 
 class ModelNotFound(Exception):
     """The request names a model this server does not serve (HTTP 404)."""
+
+
+class App(QuartTrio):
+    """QuartTrio, made safe for responses sent before the request body was read (413, 401, 404).
+
+    Hypercorn recycles or closes an HTTP/1.1 connection inside the app's last `send`; Quart may
+    cancel that send when its body reader sees the stream end, leaving the connection neither
+    closed nor answering (the next request on it hangs). The last send is shielded, and a
+    response that leaves body bytes unread says `Connection: close`, so the client reconnects."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
+        body_read = not _has_body(scope)
+
+        async def tracked_receive() -> Any:
+            nonlocal body_read
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                body_read = True
+            return message
+
+        async def guarded_send(message: Any) -> None:
+            if message["type"] == "http.response.start" and not body_read:
+                message = {**message, "headers": [*message["headers"], (b"connection", b"close")]}
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await super().__call__(scope, tracked_receive, guarded_send)
+
+
+def _has_body(scope: Any) -> bool:
+    headers = dict(scope["headers"])
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") != b"0"
 
 
 def create_app(
@@ -64,7 +106,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> QuartTrio:
     """The app over `serving`; its engine task starts and stops with the app."""
-    app = QuartTrio("nanoserve")
+    app = App("nanoserve")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None  # the engine task is stopped below
     api = OpenAIServer(serving, model_name, api_key, max_body_bytes)
@@ -84,6 +126,7 @@ def create_app(
         engine_scope.cancel()  # a step in flight completes first
 
     app.before_request(api.check_access)
+    app.after_request(api.log_access)
     app.add_url_rule("/v1/completions", view_func=api.completions, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=api.chat_completions, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=api.models, methods=["GET"])
@@ -97,19 +140,20 @@ def create_app(
 async def serve(
     app: QuartTrio,
     serving: Serving,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    graceful_timeout: float = GRACEFUL_TIMEOUT,
-) -> None:
-    """Run `app` under Hypercorn's Trio worker until SIGINT or SIGTERM.
+    sock: socket.socket,
+    graceful_timeout: float = ServerConfig.graceful_timeout,
+) -> int:
+    """Run `app` under Hypercorn's Trio worker on the bound `sock` until SIGINT or SIGTERM;
+    returns the exit status (0).
 
     On a signal Hypercorn stops accepting; open requests get most of `graceful_timeout` to
     finish, then fail cleanly (streams end with an error event and [DONE]); Hypercorn cancels
     what is left at the deadline, and the engine task stops after its current step. A client
     that stopped reading can hold a shielded socket write past all that: a watchdog exits then.
+    A second signal fails every open request at once and exits with 128 + its number.
     """
     config = HypercornConfig()
-    config.bind = [f"{host}:{port}"]
+    config.bind = [f"fd://{sock.detach()}"]  # Hypercorn's socket object owns the descriptor now
     config.graceful_timeout = graceful_timeout
     config.errorlog = logging.getLogger("hypercorn.error")
     stop = trio.Event()
@@ -119,13 +163,14 @@ async def serve(
             await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)  # type: ignore[arg-type]
             nursery.cancel_scope.cancel()  # the signal watcher
 
-        await nursery.start(_stop_on_signal, stop, serving, graceful_timeout)
+        await nursery.start(_watch_signals, stop, serving, graceful_timeout)
         binds = await nursery.start(run_hypercorn)
         log.info("ready: %s (OpenAI API at %s/v1)", binds[0], binds[0])
     log.info("stopped")
+    return 0
 
 
-async def _stop_on_signal(
+async def _watch_signals(
     stop: trio.Event,
     serving: Serving,
     grace: float,
@@ -133,15 +178,47 @@ async def _stop_on_signal(
 ) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
-        async for signum in signals:
-            log.info("%s: shutting down (grace %.1f s)", signal.Signals(signum).name, grace)
-            break
-    stop.set()
-    await trio.sleep(0.8 * grace)
-    serving.close()
-    await trio.sleep(0.2 * grace + 2.0)
+        signum = await anext(signals)
+        log.info("%s: shutting down (grace %.1f s)", signal.Signals(signum).name, grace)
+        stop.set()
+        with trio.move_on_after(0.8 * grace):
+            await _stop_at_once(await anext(signals), serving)
+        serving.close()
+        with trio.move_on_after(0.2 * grace + 2.0):
+            await _stop_at_once(await anext(signals), serving)
     log.error("shutdown is stuck (a client that stopped reading?): exiting now")
     os._exit(1)
+
+
+async def _stop_at_once(signum: int, serving: Serving) -> None:
+    """A second signal: every open request fails now; streams get a moment to write it."""
+    serving.close("the server was stopped")
+    with trio.CancelScope(shield=True):  # the server may finish first: exit as promised anyway
+        await trio.sleep(HARD_STOP_FLUSH_S)
+    name = signal.Signals(signum).name
+    print(f"nanoserve: second {name}, stopped without waiting", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+@dataclass
+class AccessRecord:
+    """One request's line in the access log, filled in as the request goes."""
+
+    started: float
+    client: str
+    request_line: str
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+
+    def write(self, status: int | str) -> None:
+        tokens = f"in={_count(self.tokens_in)} out={_count(self.tokens_out)}"
+        seconds = time.monotonic() - self.started
+        access_log.info('%s "%s" %s %s %.3fs', self.client, self.request_line, status, tokens,
+                        seconds)  # fmt: skip
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
 
 
 class OpenAIServer:
@@ -156,6 +233,8 @@ class OpenAIServer:
         self.created = int(time.time())
 
     async def check_access(self) -> Response | None:
+        host, port = request.scope.get("client") or ("-", 0)
+        g.access = AccessRecord(time.monotonic(), f"{host}:{port}", f"{request.method} {request.path}")
         if self.api_key is not None and request.path != "/health":
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -169,6 +248,12 @@ class OpenAIServer:
         if length is not None and length > self.max_body_bytes:
             return _too_large(self.max_body_bytes)
         return None
+
+    async def log_access(self, response: Response) -> Response:
+        """Unary responses are logged here; a stream logs itself when its body ends."""
+        if response.mimetype != "text/event-stream" and "access" in g:
+            g.access.write(response.status_code)
+        return response
 
     # -- routes -------------------------------------------------------------------------------
 
@@ -231,13 +316,15 @@ class OpenAIServer:
         prompts: list[list[int]],
         params: SamplingParams,
     ) -> Response:
-        fmt.prompt_tokens = sum(len(p) for p in prompts)
+        fmt.prompt_tokens = g.access.tokens_in = sum(len(p) for p in prompts)
         if not stream:
             async with AsyncExitStack() as stack:
                 streams = await self._submit(stack, fmt.id, prompts, params)
                 finals = [await _last(outputs) for outputs in streams]
-            return _json(fmt.response(finals))
-        events = self._events(fmt, include_usage, prompts, params)
+            body = fmt.response(finals)
+            g.access.tokens_out = sum(len(c.token_ids) for out in finals for c in out.outputs)
+            return _json(body)
+        events = self._events(fmt, include_usage, prompts, params, g.access)
         await anext(events)  # submits: a refusal raises here and gets its own status
         response = Response(
             events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -251,33 +338,50 @@ class OpenAIServer:
         include_usage: bool,
         prompts: list[list[int]],
         params: SamplingParams,
+        access: AccessRecord,
     ) -> AsyncIterator[bytes]:
         """The SSE body. The streams' `generate` blocks close with this generator: on a
         disconnect it is cancelled, or closed (GeneratorExit) while suspended at a yield."""
-        async with AsyncExitStack() as stack:
-            streams = await self._submit(stack, fmt.id, prompts, params)
-            yield b""
-            try:
-                for chunk in fmt.opening(len(prompts)):
+        ending = None  # until submitted, a refusal is logged with its own status
+        try:
+            async with AsyncExitStack() as stack:
+                streams = await self._submit(stack, fmt.id, prompts, params)
+                ending = "200 (client left)"
+                yield b""
+                try:
+                    for chunk in fmt.opening(len(prompts)):
+                        yield _sse(chunk)
+                    async with aclosing(self._chunks(fmt, streams)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    if include_usage:
+                        yield _sse(fmt.usage_chunk())
+                    ending = "200"
+                except Exception as e:  # mid-stream: the status line is gone, report in it
+                    status, info = _error_info(e)
+                    log.warning("stream %s failed (%d): %s", fmt.id, status, info.message)
+                    ending = f"200 (failed: {status})"
+                    yield _sse(ErrorResponse(error=info))
+                yield b"data: [DONE]\n\n"
+        finally:
+            if ending is not None:
+                access.tokens_out = sum(fmt.sent_tokens.values())
+                access.write(ending)
+
+    async def _chunks(
+        self, fmt: ResponseFormat, streams: list[AsyncIterator[RequestOutput]]
+    ) -> AsyncIterator[bytes]:
+        """Round robin over the prompts' streams: outputs are coalesced snapshots, so a stream
+        waited on later loses nothing; each step usually advances all of them at once."""
+        pending = list(enumerate(streams))
+        while pending:
+            for entry in list(pending):
+                index, outputs = entry
+                out = await anext(outputs)
+                for chunk in fmt.chunks(index, out):
                     yield _sse(chunk)
-                # Round robin: outputs are coalesced snapshots, so a stream waited on later
-                # loses nothing; each step usually advances all of them at once.
-                pending = list(enumerate(streams))
-                while pending:
-                    for entry in list(pending):
-                        index, outputs = entry
-                        out = await anext(outputs)
-                        for chunk in fmt.chunks(index, out):
-                            yield _sse(chunk)
-                        if out.finished:
-                            pending.remove(entry)
-                if include_usage:
-                    yield _sse(fmt.usage_chunk())
-            except Exception as e:  # mid-stream: the status line is gone, report in the stream
-                status, info = _error_info(e)
-                log.warning("stream %s failed (%d): %s", fmt.id, status, info.message)
-                yield _sse(ErrorResponse(error=info))
-            yield b"data: [DONE]\n\n"
+                if out.finished:
+                    pending.remove(entry)
 
     async def _submit(
         self,
@@ -388,7 +492,7 @@ def _error_handlers(max_body_bytes: int) -> dict[type[Exception], Any]:
 
 
 def _too_large(limit: int) -> Response:
-    return error_response(413, f"the request body is larger than the limit of {limit} bytes")
+    return error_response(413, f"the request body is larger than the limit of {limit} bytes", headers={"Connection": "close"})
 
 
 def _json(body: BaseModel) -> Response:

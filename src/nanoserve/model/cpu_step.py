@@ -49,7 +49,7 @@ class CpuDecodeStep:
     def supported(model: Llama) -> bool:
         linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o)]
         linears += [lin for layer in model.layers for lin in (layer.gate_up, layer.down)]
-        return c_backend.AVAILABLE and all(lin.gemv for lin in linears)
+        return c_backend.enabled() and all(lin.gemv for lin in linears)
 
     def applies(self, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step of 1-4 tokens whose metadata has the C step's types and shapes."""

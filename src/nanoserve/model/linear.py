@@ -27,7 +27,7 @@ class Linear:
             and weight.dtype in (torch.float32, torch.bfloat16)
             and weight.is_contiguous()
         )
-        self.gemv = cpu and c_backend.AVAILABLE  # the C GEMV for a few rows
+        self.gemv = cpu and c_backend.enabled()  # the C GEMV for a few rows
         self.packed = _onednn_pack(weight) if cpu else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,13 +41,20 @@ class Linear:
         return F.linear(x, self.weight)
 
 
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's blocked layout, or None where oneDNN cannot take it (not built in,
-    or bf16 on a CPU without AVX-512 bf16 support, which the reorder refuses)."""
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN takes weights of `dtype` here: float32 wherever oneDNN is built in; bfloat16
+    only where oneDNN reports native bf16 support (AVX-512 BW/VL/DQ or AVX-NE-CONVERT, as capped
+    by ONEDNN_MAX_CPU_ISA), because its reorder refuses bf16 elsewhere."""
     ops = torch.ops.mkldnn
     if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(ops._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's blocked layout, or None where oneDNN cannot take it."""
+    if not onednn_packs(weight.dtype):
         return None
-    try:
-        return ops._reorder_linear_weight(weight, PACK_ROWS_HINT)
-    except RuntimeError:
-        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
