@@ -1,9 +1,9 @@
 """`nanoserve generate` prints a completion, on the built-in demo model and on a checkpoint."""
 
-import subprocess
-import sys
 import re
 import socket
+import subprocess
+import sys
 
 import pytest
 

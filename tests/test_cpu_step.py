@@ -7,7 +7,6 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import c_backend
 
 
-
 def _spy(monkeypatch, step) -> list[int]:
     """Records the rows of each C step call (and still runs it)."""
     rows: list[int] = []

@@ -72,7 +72,7 @@ def test_n_completions_share_the_prompt_blocks(tiny_model_dir):
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
-    assert len({c.token_ids for c in out.outputs}) > 1, "three seeded samples all identical"
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "three seeded samples identical"
     stats = llm.engine.scheduler.stats
     assert stats.num_prefix_hit_tokens == 2 * 48  # the later two reuse the first's blocks
     again = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -93,7 +93,7 @@ def test_abort_waiting_and_running_frees_everything(tiny_model_dir):
     engine.audit()
     out = engine.abort("waiting")
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    assert out.outputs[0].token_ids == ()
+    assert out.outputs[0].token_ids == []
     out = engine.abort("running")
     assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 2
     assert not engine.has_unfinished()
@@ -146,3 +146,12 @@ def test_waiting_requests_are_served_first_come_first_served(tiny_model_dir):
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["0", "1", "2", "3", "4"]
     _check_pool(llm)
+
+
+def test_outputs_are_lists_as_in_vllm(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir))
+    out = llm.generate("Hello", SamplingParams(max_tokens=3, logprobs=1), use_tqdm=False)[0]
+    bos = llm.engine.tokenizer.bos_token_id
+    assert type(out.prompt_token_ids) is list and out.prompt_token_ids[0] == bos
+    assert type(out.outputs) is list and type(out.outputs[0].token_ids) is list
+    assert type(out.outputs[0].logprobs) is list and len(out.outputs[0].logprobs) == 3

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import nanoserve.kernels as kernels
-from nanoserve.kernels import api, c_backend, torch_ref
+from nanoserve.kernels import c_backend, torch_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -494,8 +494,6 @@ def test_small_linear_rejects_bad_arguments(gen, name, bad, error, words):
 
 
 # rms_norm and rope_: one C call each on the CPU, checked against the torch reference.
-
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,6 +8,8 @@ test_disconnect.py.
 
 import contextlib
 import json
+import logging
+import re
 import signal
 import socket
 
@@ -444,7 +446,7 @@ async def test_a_refused_request_never_hangs_its_connection(tiny_model_dir):
         (413, _raw("POST", C, chunked, {**auth, "Transfer-Encoding": "chunked"})),
         (413, _raw("POST", C, b" " * (16 * 2**20), auth)),
         (401, _raw("POST", C, big)),
-        (404, _raw("POST", "/v1/nothing", big, auth)),
+        (404, _raw("POST", "/v1/nothing", b'{"prompt": "x"}', auth)),
         (400, _raw("POST", C, b"{", auth)),
     ]
     async with live_server(
@@ -454,22 +456,45 @@ async def test_a_refused_request_never_hangs_its_connection(tiny_model_dir):
             stream = await trio.open_tcp_stream(server.host, server.port)
             server.raw.append(stream)
 
-            async def send(request=request, stream=stream):
+            async def send(request=request, stream=stream):  # a refusal may come mid-body
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await stream.send_all(request + _raw("GET", "/v1/models", headers=auth))
+                    await stream.send_all(request)
 
             with trio.fail_after(WAIT_S):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(send)
                     status, headers, _ = await _response(stream)
-                    assert status == expected
-                    if headers.get("connection") == "close":
-                        while await stream.receive_some():
-                            pass  # the server closes: the client knows to reconnect
-                    else:
-                        status, _, models = await _response(stream)
-                        assert status == 200 and MODEL_NAME.encode() in models
-            assert expected == 400 or headers.get("connection") == "close", (expected, headers)
+                assert status == expected
+                if headers.get("connection") == "close":
+                    while await stream.receive_some():
+                        pass  # the server closes: the client knows to reconnect
+                else:  # the next request, sent once the answer came, as HTTP clients do
+                    await stream.send_all(_raw("GET", "/v1/models", headers=auth))
+                    status, _, models = await _response(stream)
+                    assert status == 200 and MODEL_NAME.encode() in models
+
+
+async def test_one_access_line_per_request(server, caplog):
+    """At the default level every request logs one line: client, request line, status, prompt
+    and completion tokens, seconds; a stream logs when it ends, a refusal with its status."""
+    caplog.set_level(logging.INFO, logger="nanoserve.access")
+    await server.http.post(C, json=_with(COMPLETION, max_tokens=3, temperature=0))
+    async with server.http.stream("POST", X, json={**CHAT, "max_tokens": 4, "stream": True}) as r:
+        _ = [line async for line in r.aiter_lines()]
+    await server.http.post(C, json=_with(COMPLETION, top_p=5))
+    stream = await open_request(server, C, {"prompt": PROMPT, "stream": True, **LONG})
+    await read_until(stream, b"data: ")
+    await stream.aclose()
+    await server.wait_idle()
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanoserve.access"]
+    lines = [line for line in lines if "GET /health" not in line]  # wait_idle's polls
+    request = r'127\.0\.0\.1:\d+ "POST /v1/(chat/)?completions"'
+    pattern = request + r" (.+) in=(\d+|-) out=(\d+|-) \d+\.\d{3}s"
+    matches = [re.fullmatch(pattern, line) for line in lines]
+    assert all(matches) and len(matches) == 4, lines
+    assert [m.group(2) for m in matches] == ["200", "200", "400", "200 (client left)"]
+    assert [m.group(4) for m in matches[:3]] == ["3", "4", "-"]
+    assert int(matches[3].group(4)) < LONG["max_tokens"]
 
 
 async def test_api_key_guards_every_route_but_health(tiny_model_dir):

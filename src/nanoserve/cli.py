@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    gen.add_argument("--seed", type=int, default=None, help="seed of the random draws (default: random)")
+    gen.add_argument("--seed", type=int, help="seed of the random draws (default: random)")
     _engine_flags(gen)
     return parser
 
@@ -112,19 +112,44 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default=d.dtype, choices=DTYPES, help="of weights, activations and KV cache")
     add("--device", default=d.device, help="cpu, or cuda[:N]")
     add("--block-size", type=int, default=d.block_size, help="tokens per KV block (a power of 2)")
-    add("--num-kv-blocks", type=int, default=d.num_kv_blocks,
-        help="KV cache blocks (default: from --kv-cache-memory, or from free GPU memory)")
-    add("--kv-cache-memory", dest="kv_cache_memory_gb", type=float,
-        default=d.kv_cache_memory_gb, help="CPU: GiB for the KV cache")
-    add("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-        help="CUDA: share of device memory for weights and KV cache")
+    add(
+        "--num-kv-blocks",
+        type=int,
+        default=d.num_kv_blocks,
+        help="KV cache blocks (default: from --kv-cache-memory, or from free GPU memory)",
+    )
+    add(
+        "--kv-cache-memory",
+        dest="kv_cache_memory_gb",
+        type=float,
+        default=d.kv_cache_memory_gb,
+        help="CPU: GiB for the KV cache",
+    )
+    add(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="CUDA: share of device memory for weights and KV cache",
+    )
     add("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
-    add("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-        help="most tokens in one step")
-    add("--max-model-len", type=int, default=d.max_model_len,
-        help="context length (default: the model's, or what the cache holds if less)")
-    add("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-        help="do not reuse the KV blocks of earlier prompts")
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="most tokens in one step",
+    )
+    add(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="context length (default: the model's, or what the cache holds if less)",
+    )
+    add(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not reuse the KV blocks of earlier prompts",
+    )
     add("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
         help="run each prompt whole instead of in chunks of the token budget")  # fmt: skip
 

@@ -224,8 +224,8 @@ class Engine:
         first = group[0]
         return RequestOutput(
             request_id=first.group_id,
-            prompt_token_ids=tuple(first.prompt_token_ids),
-            outputs=tuple(_completion(r) for r in group),
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=[_completion(r) for r in group],
             finished=all(r.is_finished for r in group),
             num_cached_tokens=first.num_cached_tokens,
             metrics=RequestMetrics(
@@ -257,8 +257,8 @@ def _completion(request: Request) -> CompletionOutput:
     return CompletionOutput(
         index=request.index,
         text=request.detokenizer.visible_text(),
-        token_ids=tuple(request.output_token_ids),
+        token_ids=list(request.output_token_ids),
         finish_reason=request.finish_reason,
         stop_reason=request.stop_reason,
-        logprobs=tuple(request.logprobs) if request.params.logprobs is not None else None,
+        logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
     )

@@ -1,5 +1,6 @@
-"""What the engine reports about a request: immutable snapshots, safe to hand to another thread or
-task while the engine moves on. Shaped like vLLM's `RequestOutput`.
+"""What the engine reports about a request: snapshots (fresh lists every time, never changed
+afterwards), safe to hand to another thread or task while the engine moves on. Shaped like vLLM's
+`RequestOutput`, lists included.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from nanoserve.sampling import Logprob
 @dataclass(frozen=True)
 class CompletionOutput:
     index: int
-    text: (
-        str  # finished: the whole text; running: what is safe to show (see IncrementalDetokenizer)
-    )
-    token_ids: tuple[int, ...]
+    text: str  # finished: the whole text; running: what is safe to show (IncrementalDetokenizer)
+    token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     stop_reason: str | int | None = None
-    logprobs: tuple[dict[int, Logprob], ...] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,8 @@ class RequestMetrics:
 @dataclass(frozen=True)
 class RequestOutput:
     request_id: str
-    prompt_token_ids: tuple[int, ...]
-    outputs: tuple[CompletionOutput, ...]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics

@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 from functools import partial
@@ -234,7 +234,8 @@ class OpenAIServer:
 
     async def check_access(self) -> Response | None:
         host, port = request.scope.get("client") or ("-", 0)
-        g.access = AccessRecord(time.monotonic(), f"{host}:{port}", f"{request.method} {request.path}")
+        line = f"{request.method} {request.path}"
+        g.access = AccessRecord(time.monotonic(), f"{host}:{port}", line)
         if self.api_key is not None and request.path != "/health":
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -349,8 +350,8 @@ class OpenAIServer:
                 ending = "200 (client left)"
                 yield b""
                 try:
-                    for chunk in fmt.opening(len(prompts)):
-                        yield _sse(chunk)
+                    for opening in fmt.opening(len(prompts)):
+                        yield _sse(opening)
                     async with aclosing(self._chunks(fmt, streams)) as chunks:
                         async for chunk in chunks:
                             yield chunk
@@ -370,7 +371,7 @@ class OpenAIServer:
 
     async def _chunks(
         self, fmt: ResponseFormat, streams: list[AsyncIterator[RequestOutput]]
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Round robin over the prompts' streams: outputs are coalesced snapshots, so a stream
         waited on later loses nothing; each step usually advances all of them at once."""
         pending = list(enumerate(streams))
@@ -492,7 +493,7 @@ def _error_handlers(max_body_bytes: int) -> dict[type[Exception], Any]:
 
 
 def _too_large(limit: int) -> Response:
-    return error_response(413, f"the request body is larger than the limit of {limit} bytes", headers={"Connection": "close"})
+    return error_response(413, f"the request body is larger than the limit of {limit} bytes")
 
 
 def _json(body: BaseModel) -> Response:
