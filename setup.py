@@ -1,5 +1,6 @@
 """Builds the C kernels (kernels/csrc: paged attention, small-M linear, RMSNorm, RoPE, the fused
-decode step) as nanoserve.kernels._C at install time. The install fails if they do not build.
+decode step; module.c holds the method table) as nanoserve.kernels._C at install time. The install
+fails if they do not build.
 
 -march=native tunes the kernels for the building machine (right for `pip install -e .`); set
 NANOSERVE_MARCH (e.g. x86-64-v3) to build a module that runs on other machines.
@@ -31,8 +32,9 @@ setup(
                 "kernels/csrc/linear.c",
                 "kernels/csrc/norm_rope.c",
                 "kernels/csrc/decode_step.c",
+                "kernels/csrc/module.c",
             ],
-            depends=["kernels/csrc/cpu_kernels.h"],
+            depends=["kernels/csrc/nanoserve.h"],
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.
             extra_compile_args=[
                 "-O3",

@@ -68,16 +68,17 @@ def store_kv(
 
 
 SMALL_LINEAR_DTYPES = (torch.float32, torch.bfloat16)
-SMALL_LINEAR_MAX_ROWS = 4
+SMALL_LINEAR_MAX_ROWS = c_backend.GEMV_ROWS  # the C GEMV takes up to this many rows
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out[m, n] = sum_k x[m, k] * w[n, k] (torch.nn.functional.linear without bias) for a few rows.
 
     x [M, K], w [N, K], float32 or bfloat16 (the same), CPU, contiguous; out [M, N] of x's dtype.
-    For M <= 4 the C kernel streams w at memory speed (MKL's GEMV does not), accumulating in
-    float32 in an order that depends on neither M nor the thread count, so results are bitwise
-    reproducible and batch invariant. For M > 4 (or with the C kernels switched off), F.linear.
+    For M <= SMALL_LINEAR_MAX_ROWS (4) the C kernel streams w at memory speed (MKL's GEMV does
+    not), accumulating in float32 in an order that depends on neither M nor the thread count, so
+    results are bitwise reproducible and batch invariant. For more rows (or with the C kernels
+    switched off), F.linear.
     """
     _check_small_linear(x, w, out)
     if not 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS or not c_backend.enabled():

@@ -1,4 +1,5 @@
-"""The C backend: hands data pointers, sizes and a dtype code to the compiled module _C.
+"""The C backend: hands data pointers, sizes and a dtype code to the compiled module _C, each
+argument by name.
 
 _C is built from the files in csrc/ by `pip install` (setup.py), which fails if it cannot build
 it. A source tree that was never built has no _C: every CPU kernel call then raises
@@ -33,7 +34,11 @@ def enabled() -> bool:
     return ENABLED
 
 
+# The dtype codes of the C module (enum ns_dtype in csrc/nanoserve.h).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The most rows small_linear and decode_layers take (NS_GEMV_ROWS in csrc/nanoserve.h). The 4 is
+# only for a source tree that was never built, whose C kernels cannot run anyway.
+GEMV_ROWS: int = _C.GEMV_ROWS if _C is not None else 4
 
 
 def paged_attention_decode(
@@ -48,22 +53,22 @@ def paged_attention_decode(
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     # The C module checks context_lens and the used block_tables entries before reading the cache.
     _C.paged_attention_decode(
-        out.data_ptr(),
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        context_lens.data_ptr(),
-        q.shape[0],
-        q.shape[1],
-        num_kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
-        block_tables.shape[1],
-        float(scale),
-        DTYPE_CODES[q.dtype],
-        torch.get_num_threads(),  # one thread setting for torch and the kernel
+        out=out.data_ptr(),
+        q=q.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        block_tables=block_tables.data_ptr(),
+        context_lens=context_lens.data_ptr(),
+        num_seqs=q.shape[0],
+        num_q_heads=q.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_blocks_per_seq=block_tables.shape[1],
+        scale=float(scale),
+        dtype_code=DTYPE_CODES[q.dtype],
+        num_threads=torch.get_num_threads(),  # one thread setting for torch and the kernel
     )
 
 
@@ -76,44 +81,44 @@ def store_kv(
 ) -> None:
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     _C.store_kv(
-        key.data_ptr(),
-        value.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        slot_mapping.data_ptr(),
-        key.shape[0],
-        num_kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
-        key.element_size(),
-        int(slot_mapping.dtype == torch.int64),
+        key=key.data_ptr(),
+        value=value.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        slot_mapping=slot_mapping.data_ptr(),
+        num_tokens=key.shape[0],
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        elem_size=key.element_size(),
+        slots_are_int64=int(slot_mapping.dtype == torch.int64),
     )
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     _C.small_linear(
-        out.data_ptr(),
-        x.data_ptr(),
-        w.data_ptr(),
-        x.shape[0],
-        w.shape[0],
-        x.shape[1],
-        DTYPE_CODES[x.dtype],
-        torch.get_num_threads(),
+        out=out.data_ptr(),
+        x=x.data_ptr(),
+        w=w.data_ptr(),
+        M=x.shape[0],
+        N=w.shape[0],
+        K=x.shape[1],
+        dtype_code=DTYPE_CODES[x.dtype],
+        num_threads=torch.get_num_threads(),
     )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     _C.rms_norm(
-        out.data_ptr(),
-        x.data_ptr(),
-        weight.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        float(eps),
-        DTYPE_CODES[x.dtype],
-        torch.get_num_threads(),
+        out=out.data_ptr(),
+        x=x.data_ptr(),
+        w=weight.data_ptr(),
+        rows=x.shape[0],
+        hidden=x.shape[1],
+        eps=float(eps),
+        dtype_code=DTYPE_CODES[x.dtype],
+        num_threads=torch.get_num_threads(),
     )
 
 
@@ -121,17 +126,17 @@ def rope_(
     qk: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> None:
     _C.rope(
-        qk.data_ptr(),
-        positions.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        qk.shape[0],
-        heads,
-        cos.shape[1],
-        qk.stride(0),
-        cos.shape[0],
-        DTYPE_CODES[qk.dtype],
-        torch.get_num_threads(),
+        qk=qk.data_ptr(),
+        positions=positions.data_ptr(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        rows=qk.shape[0],
+        heads=heads,
+        head_dim=cos.shape[1],
+        row_stride=qk.stride(0),
+        table_rows=cos.shape[0],
+        dtype_code=DTYPE_CODES[qk.dtype],
+        num_threads=torch.get_num_threads(),
     )
 
 
@@ -153,27 +158,27 @@ def decode_layers(
     scale: float,
 ) -> None:
     _C.decode_layers(
-        h.data_ptr(),
-        layers.data_ptr(),
-        layers.shape[0],
-        positions.data_ptr(),
-        slots.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cos.shape[0],
-        block_tables.data_ptr(),
-        context_lens.data_ptr(),
-        block_tables.shape[1],
-        block_size,
-        num_blocks,
-        h.shape[0],
-        h.shape[1],
-        heads,
-        kv_heads,
-        cos.shape[1],
-        intermediate,
-        float(eps),
-        float(scale),
-        DTYPE_CODES[h.dtype],
-        torch.get_num_threads(),
+        h=h.data_ptr(),
+        layers=layers.data_ptr(),
+        num_layers=layers.shape[0],
+        positions=positions.data_ptr(),
+        slots=slots.data_ptr(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        table_rows=cos.shape[0],
+        block_tables=block_tables.data_ptr(),
+        context_lens=context_lens.data_ptr(),
+        max_blocks_per_seq=block_tables.shape[1],
+        block_size=block_size,
+        num_blocks=num_blocks,
+        rows=h.shape[0],
+        hidden=h.shape[1],
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=cos.shape[1],
+        intermediate=intermediate,
+        eps=float(eps),
+        scale=float(scale),
+        dtype_code=DTYPE_CODES[h.dtype],
+        num_threads=torch.get_num_threads(),
     )

@@ -23,6 +23,57 @@ INTERPRETED = not isinstance(tl.zeros, triton.runtime.JITFunction)
 
 
 @triton.jit
+def _cache_rows(
+    tables, tok, t_mask, kv_head, stride_k_block, stride_k_head, stride_k_tok, block_size
+):
+    """Offsets in the cache of the rows of tokens tok (where t_mask) of KV head kv_head, through
+    tables, the sequence's row of the block table."""
+    block = tl.load(tables + tok // block_size, mask=t_mask, other=0)
+    return (
+        block.to(tl.int64) * stride_k_block
+        + kv_head * stride_k_head
+        + (tok % block_size) * stride_k_tok
+    )
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    k_ptr,
+    v_ptr,
+    row,
+    d,
+    d_mask,
+    t_mask,
+    qk_scale,
+    m,
+    l_sum,
+    acc,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One tile of keys and values (cache rows row, where t_mask) folded into the online softmax
+    of the query group q [GROUP_PAD, BLOCK_D]: returns the new running max m, sum l_sum and
+    unnormalised output acc, all in base 2. Masked tokens add nothing."""
+    k_mask = t_mask[None, :] & d_mask[:, None]
+    k = tl.load(k_ptr + row[None, :] + d[:, None], mask=k_mask, other=0.0).to(DOT_DTYPE)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    v_mask = t_mask[:, None] & d_mask[None, :]
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=v_mask, other=0.0).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+    return m_new, l_sum, acc
+
+
+# One program: the query heads of one KV head of one sequence over one split of its tokens. The
+# tile loop has a constant trip count, not range(start, end): Triton 3.6's interpreter cannot take
+# tensor loop bounds with NumPy >= 2.4. Tiles past the end are fully masked: no memory traffic, no
+# effect. A split past the end of its sequence writes nothing.
+@triton.jit
 def _partial_kernel(
     q_ptr,
     k_ptr,
@@ -53,17 +104,12 @@ def _partial_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, ctx)
-
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, BLOCK_D)
-    g_mask = g < GROUP
-    d_mask = d < head_dim
+    g, d = tl.arange(0, GROUP_PAD), tl.arange(0, BLOCK_D)
+    g_mask, d_mask = g < GROUP, d < head_dim
     q_head = kv_head * GROUP + g
     q_off = seq * stride_q_seq + q_head[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
@@ -71,40 +117,21 @@ def _partial_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    # A constant trip count, not range(start, end): Triton 3.6's interpreter cannot take tensor loop
-    # bounds with NumPy >= 2.4. Tiles past the end are fully masked: no memory traffic, no effect.
+    tables = table_ptr + seq * stride_table_seq
     for tile in range(SPLIT // BLOCK_N):
         tok = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
         t_mask = tok < end
-        block = tl.load(
-            table_ptr + seq * stride_table_seq + tok // block_size, mask=t_mask, other=0
+        row = _cache_rows(
+            tables, tok, t_mask, kv_head, stride_k_block, stride_k_head, stride_k_tok, block_size
         )
-        row = (
-            block.to(tl.int64) * stride_k_block
-            + kv_head * stride_k_head
-            + (tok % block_size) * stride_k_tok
+        m, l_sum, acc = _attend_tile(
+            q, k_ptr, v_ptr, row, d, d_mask, t_mask, qk_scale, m, l_sum, acc, DOT_DTYPE, PRECISION
         )
-        k_mask = t_mask[None, :] & d_mask[:, None]
-        k = tl.load(k_ptr + row[None, :] + d[:, None], mask=k_mask, other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        v_mask = t_mask[:, None] & d_mask[None, :]
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=v_mask, other=0.0).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-        m = m_new
 
-    # A split past the end of its sequence writes nothing.
     live = start < ctx
     po_off = seq * stride_po_seq + q_head[:, None] * stride_po_head + split * stride_po_split
-    tl.store(
-        part_out_ptr + po_off + d[None, :],
-        acc / l_sum[:, None],
-        mask=live & g_mask[:, None] & d_mask[None, :],
-    )
+    po_mask = live & g_mask[:, None] & d_mask[None, :]
+    tl.store(part_out_ptr + po_off + d[None, :], acc / l_sum[:, None], mask=po_mask)
     pl_off = seq * stride_pl_seq + q_head * stride_pl_head + split
     tl.store(part_lse_ptr + pl_off, m + tl.log2(l_sum), mask=live & g_mask)
 
@@ -208,13 +235,11 @@ def paged_attention_decode(
 ) -> None:
     """Writes the decode attention into out. Arguments are validated by the caller (api.py)."""
     num_seqs, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, _ = k_cache.shape
     if num_seqs == 0:
         return
     assert tokens_per_split % block_n == 0, "a split is a whole number of tiles"
-    group = num_q_heads // num_kv_heads
     # Grid from the table's width, not from context_lens, so that no device sync is needed.
-    max_splits = triton.cdiv(block_tables.shape[1] * block_size, tokens_per_split)
+    max_splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[2], tokens_per_split)
     part_out = torch.empty(
         (num_seqs, num_q_heads, max_splits, head_dim), dtype=torch.float32, device=q.device
     )
@@ -222,7 +247,47 @@ def paged_attention_decode(
         (num_seqs, num_q_heads, max_splits), dtype=torch.float32, device=q.device
     )
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _partial_kernel[(num_seqs, num_kv_heads, max_splits)](
+    _launch_partial(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        scale,
+        part_out,
+        part_lse,
+        block_d=block_d,
+        tokens_per_split=tokens_per_split,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _launch_merge(
+        part_out, part_lse, out, context_lens, block_d=block_d, tokens_per_split=tokens_per_split
+    )
+
+
+def _launch_partial(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    *,
+    block_d: int,
+    tokens_per_split: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """Stage 1: each split's normalised attention into part_out, its log-sum-exp into part_lse."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    _partial_kernel[(num_seqs, num_kv_heads, part_out.shape[2])](
         q,
         k_cache,
         v_cache,
@@ -254,6 +319,19 @@ def paged_attention_decode(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+def _launch_merge(
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    block_d: int,
+    tokens_per_split: int,
+) -> None:
+    """Stage 2: each sequence's splits merged, in order, into out."""
+    num_seqs, num_q_heads, max_splits, head_dim = part_out.shape
     _merge_kernel[(num_seqs, num_q_heads)](
         part_out,
         part_lse,

@@ -1,4 +1,5 @@
-/* out[m, n] = sum_k x[m, k] * w[n, k] for a few input rows (M <= 4): the batch-1 decode GEMV.
+/* out[m, n] = sum_k x[m, k] * w[n, k] for a few input rows (M <= NS_GEMV_ROWS, 4): the batch-1
+ * decode GEMV.
  *
  * A GEMV reads every weight once and does two flops per weight read, so it runs at memory speed.
  * Each thread takes a contiguous range of output rows n and reads its part of w front to back, one
@@ -11,26 +12,23 @@
  * is widened once, bf16 w as it is read, a bf16 out rounded to nearest even. GCC vector extensions
  * (no intrinsics): a 64-byte vector is one AVX-512 register, or two AVX ones.
  */
-#include "cpu_kernels.h"
+#include "nanoserve.h"
 
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { LIN_F32 = 0, LIN_BF16 = 1 };
-enum { MAX_M = 4, LANES = 32 };
+enum { LANES = 32 };
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
-#define ALWAYS_INLINE __attribute__((always_inline)) inline
-
 /* 16 elements of w from element i of row, as float32 (unaligned loads through memcpy). */
 static ALWAYS_INLINE v16f load16(const char *row, Py_ssize_t i, const int dtype) {
     v16f f;
-    if (dtype == LIN_BF16) {
+    if (dtype == NS_BF16) {
         v16h h;
         memcpy(&h, row + 2 * i, sizeof h);
         v16u u = __builtin_convertvector(h, v16u) << 16;
@@ -42,7 +40,7 @@ static ALWAYS_INLINE v16f load16(const char *row, Py_ssize_t i, const int dtype)
 }
 
 static ALWAYS_INLINE float elem1(const char *row, Py_ssize_t i, const int dtype) {
-    if (dtype == LIN_BF16) return ns_bf16_to_f32(((const uint16_t *)row)[i]);
+    if (dtype == NS_BF16) return ns_bf16_to_f32(((const uint16_t *)row)[i]);
     return ((const float *)row)[i];
 }
 
@@ -51,10 +49,10 @@ static ALWAYS_INLINE float elem1(const char *row, Py_ssize_t i, const int dtype)
 static ALWAYS_INLINE void rows_range(const float *restrict x, const char *restrict w,
                                      void *restrict out, Py_ssize_t n_begin, Py_ssize_t n_end,
                                      Py_ssize_t N, Py_ssize_t K, const int M, const int dtype) {
-    const size_t row_bytes = (size_t)K * (dtype == LIN_BF16 ? 2 : 4);
+    const size_t row_bytes = (size_t)K * ns_dtype_size(dtype);
     for (Py_ssize_t n = n_begin; n < n_end; n++) {
         const char *row = w + (size_t)n * row_bytes;
-        v16f acc[MAX_M][2];
+        v16f acc[NS_GEMV_ROWS][2];
 #pragma GCC unroll 4
         for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (v16f){0};
         Py_ssize_t i = 0;
@@ -77,7 +75,7 @@ static ALWAYS_INLINE void rows_range(const float *restrict x, const char *restri
             for (int width = LANES / 2; width > 0; width /= 2)
                 for (int l = 0; l < width; l++) part[l] += part[l + width];
             const size_t o = (size_t)m * (size_t)N + (size_t)n;
-            if (dtype == LIN_BF16)
+            if (dtype == NS_BF16)
                 ((uint16_t *)out)[o] = ns_f32_to_bf16(part[0]);
             else
                 ((float *)out)[o] = part[0];
@@ -91,6 +89,8 @@ typedef struct {
     void *out;
     Py_ssize_t M, N, K;
 } lin_args;
+
+_Static_assert(NS_GEMV_ROWS == 4, "rows_m has a case for each M from 1 to NS_GEMV_ROWS");
 
 static ALWAYS_INLINE void rows_m(const lin_args *a, Py_ssize_t b, Py_ssize_t e, const int dtype) {
     switch (a->M) {
@@ -109,10 +109,10 @@ static void linear_all(const lin_args *a, int dtype, int num_threads) {
         const Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const Py_ssize_t n0 = a->N * t / nt, n1 = a->N * (t + 1) / nt;
         if (n0 < n1) {
-            if (dtype == LIN_BF16)
-                rows_m(a, n0, n1, LIN_BF16);
+            if (dtype == NS_BF16)
+                rows_m(a, n0, n1, NS_BF16);
             else
-                rows_m(a, n0, n1, LIN_F32);
+                rows_m(a, n0, n1, NS_F32);
         }
     }
 }
@@ -121,7 +121,7 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
                    Py_ssize_t K, int dtype, int num_threads) {
     lin_args a = {(const float *)x, (const char *)w, out, M, N, K};
     float *x32 = NULL;
-    if (dtype == LIN_BF16) { /* widen x once: [M, K] is small */
+    if (dtype == NS_BF16) { /* widen x once: [M, K] is small */
         x32 = malloc((size_t)(M * K + 1) * sizeof(float));
         if (!x32) return -1;
         const uint16_t *xh = (const uint16_t *)x;
@@ -133,14 +133,16 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
     return 0;
 }
 
-PyObject *nanoserve_small_linear(PyObject *self, PyObject *args) {
+PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
+    static char *kwlist[] = {"out", "x", "w", "M", "N", "K", "dtype_code", "num_threads", NULL};
     unsigned long long out, x, w;
     Py_ssize_t M, N, K;
     int dtype, num_threads;
-    if (!PyArg_ParseTuple(args, "KKKnnnii", &out, &x, &w, &M, &N, &K, &dtype, &num_threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKnnnii", kwlist, &out, &x, &w, &M, &N, &K,
+                                     &dtype, &num_threads))
         return NULL;
-    if (M < 1 || M > MAX_M || N < 0 || K < 0 || (dtype != LIN_F32 && dtype != LIN_BF16) ||
+    if (M < 1 || M > NS_GEMV_ROWS || N < 0 || K < 0 || (dtype != NS_F32 && dtype != NS_BF16) ||
         num_threads < 1) {
         PyErr_SetString(PyExc_ValueError, "small_linear: inconsistent sizes or dtype code");
         return NULL;

@@ -6,7 +6,7 @@
  * rows or threads; bf16 values are rounded (to nearest even) where torch's ops would round them, so
  * the two agree but for the order of RMSNorm's sum of squares.
  */
-#include "cpu_kernels.h"
+#include "nanoserve.h"
 
 /* No fused multiply-adds here (setup.py turns contraction on for the other files): a*c - b*s is
  * then rounded exactly as torch's mul, mul, add round it, and float32 RoPE matches torch's bits. */
@@ -17,12 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { OPS_F32 = NS_F32, OPS_BF16 = NS_BF16 };
 enum { NORM_LANES = 16, PARALLEL_ROWS = 16 };
 
 /* out[r] = w * dtype(x[r] / sqrt(mean(x[r]^2) + eps)), as the reference Llama computes it. */
-#define ALWAYS_INLINE __attribute__((always_inline)) inline
-
 static ALWAYS_INLINE void rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
                                         Py_ssize_t hidden, float eps, int dtype, int threads) {
 #pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
@@ -80,30 +77,33 @@ static ALWAYS_INLINE void rope_rows(void *qk, const int64_t *positions, const vo
 void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
                              Py_ssize_t hidden, float eps, int dtype, int num_threads) {
     /* a constant dtype in each call, so each loop is specialised */
-    if (dtype == OPS_BF16)
-        rms_norm_rows(out, x, w, rows, hidden, eps, OPS_BF16, num_threads);
+    if (dtype == NS_BF16)
+        rms_norm_rows(out, x, w, rows, hidden, eps, NS_BF16, num_threads);
     else
-        rms_norm_rows(out, x, w, rows, hidden, eps, OPS_F32, num_threads);
+        rms_norm_rows(out, x, w, rows, hidden, eps, NS_F32, num_threads);
 }
 
 void nanoserve_rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,
                          Py_ssize_t rows, Py_ssize_t heads, Py_ssize_t head_dim,
                          Py_ssize_t row_stride, int dtype, int num_threads) {
-    if (dtype == OPS_BF16)
-        rope_rows(qk, positions, cos, sin, rows, heads, head_dim, row_stride, OPS_BF16,
+    if (dtype == NS_BF16)
+        rope_rows(qk, positions, cos, sin, rows, heads, head_dim, row_stride, NS_BF16,
                   num_threads);
     else
-        rope_rows(qk, positions, cos, sin, rows, heads, head_dim, row_stride, OPS_F32,
+        rope_rows(qk, positions, cos, sin, rows, heads, head_dim, row_stride, NS_F32,
                   num_threads);
 }
 
-PyObject *nanoserve_rms_norm(PyObject *self, PyObject *args) {
+PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
+    static char *kwlist[] = {"out", "x", "w", "rows", "hidden", "eps", "dtype_code", "num_threads",
+                             NULL};
     unsigned long long out, x, w;
     Py_ssize_t rows, hidden;
     float eps;
     int dtype, threads;
-    if (!PyArg_ParseTuple(args, "KKKnnfii", &out, &x, &w, &rows, &hidden, &eps, &dtype, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKnnfii", kwlist, &out, &x, &w, &rows, &hidden,
+                                     &eps, &dtype, &threads))
         return NULL;
     Py_BEGIN_ALLOW_THREADS;
     nanoserve_rms_norm_rows((void *)(uintptr_t)out, (const void *)(uintptr_t)x,
@@ -112,13 +112,16 @@ PyObject *nanoserve_rms_norm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyObject *nanoserve_rope(PyObject *self, PyObject *args) {
+PyObject *nanoserve_py_rope(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
+    static char *kwlist[] = {"qk", "positions", "cos", "sin", "rows", "heads", "head_dim",
+                             "row_stride", "table_rows", "dtype_code", "num_threads", NULL};
     unsigned long long qk, positions, cos, sin;
     Py_ssize_t rows, heads, head_dim, row_stride, table_rows;
     int dtype, threads;
-    if (!PyArg_ParseTuple(args, "KKKKnnnnnii", &qk, &positions, &cos, &sin, &rows, &heads,
-                          &head_dim, &row_stride, &table_rows, &dtype, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKnnnnnii", kwlist, &qk, &positions, &cos,
+                                     &sin, &rows, &heads, &head_dim, &row_stride, &table_rows,
+                                     &dtype, &threads))
         return NULL;
     const int64_t *pos = (const int64_t *)(uintptr_t)positions;
     for (Py_ssize_t t = 0; t < rows; t++)

@@ -1,59 +1,19 @@
 /* Paged-attention decode and KV-cache store on the CPU: plain C11 + OpenMP, CPython C API only.
  *
- * Python passes data pointers, sizes and a dtype code as ints (kernels/c_backend.py); every tensor is
- * contiguous. Cache layout: [num_blocks, num_kv_heads, block_size, head_dim]. One OpenMP work item is
- * one (sequence, KV head): its query heads are processed together, so each key and value row is read
- * from memory once; the softmax is online, in float32, and bf16/fp16 values are widened as they are
- * read. Inner loops are written for gcc's auto-vectoriser (check with -fopt-info-vec); no
- * intrinsics, no -ffast-math.
+ * Python passes data pointers, sizes and a dtype code as int keyword arguments
+ * (kernels/c_backend.py); every tensor is contiguous. Cache layout: [num_blocks, num_kv_heads,
+ * block_size, head_dim]. One OpenMP work item is one (sequence, KV head): its query heads are
+ * processed together, so each key and value row is read from memory once; the softmax is online,
+ * in float32, and bf16/fp16 values are widened as they are read. Inner loops are written for gcc's
+ * auto-vectoriser (check with -fopt-info-vec); no intrinsics, no -ffast-math.
  */
-#include "cpu_kernels.h"
+#include "nanoserve.h"
 
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-
-static inline float bits_to_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint32_t f32_to_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-/* Branch-free (masks, not ternaries) so that a loop over it vectorises. Subnormals go through an
- * int->float conversion, not a denormal multiply, so a flush-denormals mode cannot zero them. */
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t em = h & 0x7fffu;
-    uint32_t is_sub = 0u - (uint32_t)(em < 0x0400u);
-    uint32_t is_special = 0u - (uint32_t)(em >= 0x7c00u);
-    uint32_t normal = (em << 13) + (112u << 23);
-    uint32_t special = (em << 13) | 0x7f800000u;
-    uint32_t sub = f32_to_bits((float)em * 0x1p-24f);
-    uint32_t mag = (sub & is_sub) | (special & is_special) | (normal & ~(is_sub | is_special));
-    return bits_to_f32(mag | ((uint32_t)(h & 0x8000u) << 16));
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    uint32_t u = f32_to_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
-    if (a >= 0x477ff000u) return sign | 0x7c00u; /* >= 65520 rounds to inf */
-    if (a < 0x38800000u) /* below 2^-14: subnormal half, unit 2^-24, exact scaling then rint */
-        return sign | (uint16_t)lrintf(bits_to_f32(a) * 0x1p24f);
-    a -= 112u << 23; /* rebias the exponent from 127 to 15 */
-    a += 0xfffu + ((a >> 13) & 1u);
-    return sign | (uint16_t)(a >> 13);
-}
 
 /* exp(x) for x <= 0 (or -inf), about 1 ulp, written so that loops over it vectorise (libm's expf
  * only vectorises under -ffast-math). Cody-Waite reduction x = n ln2 + r, Taylor series in r. */
@@ -71,44 +31,42 @@ static inline float exp_nonpos(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    float two_n = bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+    float two_n = ns_bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
     return x < min_x ? 0.0f : p * two_n;
 }
 
 /* Widen n values of dtype to float32. */
 static void load_row(float *restrict dst, const void *restrict src, Py_ssize_t n, int dtype) {
-    if (dtype == DTYPE_BF16) {
+    if (dtype == NS_BF16) {
         const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
         for (Py_ssize_t i = 0; i < n; i++) dst[i] = ns_bf16_to_f32(s[i]);
-    } else if (dtype == DTYPE_F16) {
+    } else if (dtype == NS_F16) {
         const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = ns_f16_to_f32(s[i]);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
 }
 
 static void store_row(void *restrict dst, const float *restrict src, Py_ssize_t n, int dtype) {
-    if (dtype == DTYPE_BF16) {
+    if (dtype == NS_BF16) {
         uint16_t *d = (uint16_t *)dst;
         for (Py_ssize_t i = 0; i < n; i++) d[i] = ns_f32_to_bf16(src[i]);
-    } else if (dtype == DTYPE_F16) {
+    } else if (dtype == NS_F16) {
         uint16_t *d = (uint16_t *)dst;
-        for (Py_ssize_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
+        for (Py_ssize_t i = 0; i < n; i++) d[i] = ns_f32_to_f16(src[i]);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
 }
 
-static size_t dtype_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
-
 /* Element i of a row of dtype, as float32. Called with a constant dtype, the branches fold away and
  * the widening vectorises with the arithmetic around it. */
 static inline float elem(const char *restrict row, Py_ssize_t i, int dtype) {
-    if (dtype == DTYPE_BF16) return ns_bf16_to_f32(((const uint16_t *)row)[i]);
-    if (dtype == DTYPE_F16) return f16_to_f32(((const uint16_t *)row)[i]);
+    if (dtype == NS_BF16) return ns_bf16_to_f32(((const uint16_t *)row)[i]);
+    if (dtype == NS_F16) return ns_f16_to_f32(((const uint16_t *)row)[i]);
     return ((const float *)row)[i];
 }
 
@@ -188,7 +146,7 @@ static inline float exp_sum(float *restrict x, float shift, Py_ssize_t n) {
  * forwarding (and gcc keeps one 64-float array in memory). */
 static inline void accumulate(float *restrict acc, const float *restrict p,
                               const char *restrict v, Py_ssize_t n, Py_ssize_t d, int dtype) {
-    const size_t es = dtype_size(dtype);
+    const size_t es = ns_dtype_size(dtype);
     Py_ssize_t i0 = 0;
     for (; i0 + 4 * LANES <= d; i0 += 4 * LANES) {
         float r0[LANES], r1[LANES], r2[LANES], r3[LANES];
@@ -241,7 +199,7 @@ static inline void block_step(const scratch *s, const char *restrict k, const ch
                               int dtype, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d,
                               Py_ssize_t bs, const char *next_k, const char *next_v,
                               size_t next_row_bytes) {
-    const size_t row_bytes = (size_t)d * dtype_size(dtype);
+    const size_t row_bytes = (size_t)d * ns_dtype_size(dtype);
     for (Py_ssize_t t = 0; t < bs; t++) {
         if (next_k)
             prefetch_rows(next_k + t * next_row_bytes, next_v + t * next_row_bytes, next_row_bytes);
@@ -268,19 +226,13 @@ static inline void load_block(float *restrict dst, const char *src, Py_ssize_t n
     memset(dst + n * d, 0, (size_t)((bs - n) * d) * sizeof(float));
 }
 
-#if defined(__GNUC__)
-#define ALWAYS_INLINE __attribute__((always_inline)) inline
-#else
-#define ALWAYS_INLINE inline
-#endif
-
 /* One work item: query heads [kvh * group, (kvh + 1) * group) of sequence seq. d, bs and dtype
  * are arguments so that decode_item can pass constants for the common cases. */
 static ALWAYS_INLINE void decode_one(const decode_args *a, const scratch *s, Py_ssize_t seq,
                                      Py_ssize_t kvh, const Py_ssize_t d, const Py_ssize_t bs,
                                      const int dtype) {
     const Py_ssize_t group = a->num_q_heads / a->num_kv_heads;
-    const size_t es = dtype_size(dtype);
+    const size_t es = ns_dtype_size(dtype);
     const Py_ssize_t ctx = a->context_lens[seq];
     const int32_t *table = a->block_tables + seq * a->max_blocks_per_seq;
     const Py_ssize_t q_off = (seq * a->num_q_heads + kvh * group) * d;
@@ -310,7 +262,7 @@ static ALWAYS_INLINE void decode_one(const decode_args *a, const scratch *s, Py_
         } else { /* the last, partial block: zero-padded to a whole one */
             load_block(s->k, kb, n, bs, d, dtype);
             load_block(s->v, vb, n, bs, d, dtype);
-            block_step(s, (const char *)s->k, (const char *)s->v, DTYPE_F32, n, group, d, bs,
+            block_step(s, (const char *)s->k, (const char *)s->v, NS_F32, n, group, d, bs,
                        NULL, NULL, 0);
         }
     }
@@ -334,12 +286,12 @@ static ALWAYS_INLINE void decode_shape(const decode_args *a, const scratch *s, P
 }
 
 static void decode_item(const decode_args *a, const scratch *s, Py_ssize_t seq, Py_ssize_t kvh) {
-    if (a->dtype == DTYPE_BF16)
-        decode_shape(a, s, seq, kvh, DTYPE_BF16);
-    else if (a->dtype == DTYPE_F16)
-        decode_shape(a, s, seq, kvh, DTYPE_F16);
+    if (a->dtype == NS_BF16)
+        decode_shape(a, s, seq, kvh, NS_BF16);
+    else if (a->dtype == NS_F16)
+        decode_shape(a, s, seq, kvh, NS_F16);
     else
-        decode_shape(a, s, seq, kvh, DTYPE_F32);
+        decode_shape(a, s, seq, kvh, NS_F32);
 }
 
 /* Runs with the GIL released; returns 0, or -1 when a thread could not allocate its scratch. */
@@ -386,19 +338,25 @@ int nanoserve_check_tables(const decode_args *a) {
     return 0;
 }
 
-static PyObject *py_paged_attention_decode(PyObject *self, PyObject *args) {
+PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
+    static char *kwlist[] = {"out", "q", "k_cache", "v_cache", "block_tables", "context_lens",
+                             "num_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size",
+                             "num_blocks", "max_blocks_per_seq", "scale", "dtype_code",
+                             "num_threads", NULL};
     unsigned long long out, q, k, v, tables, lens;
     decode_args a;
     double scale;
     int num_threads;
-    if (!PyArg_ParseTuple(args, "KKKKKKnnnnnnndii", &out, &q, &k, &v, &tables, &lens, &a.num_seqs,
-                          &a.num_q_heads, &a.num_kv_heads, &a.head_dim, &a.block_size,
-                          &a.num_blocks, &a.max_blocks_per_seq, &scale, &a.dtype, &num_threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKKnnnnnnndii", kwlist, &out, &q, &k, &v,
+                                     &tables, &lens, &a.num_seqs, &a.num_q_heads, &a.num_kv_heads,
+                                     &a.head_dim, &a.block_size, &a.num_blocks,
+                                     &a.max_blocks_per_seq, &scale, &a.dtype, &num_threads))
         return NULL;
-    if (a.dtype < DTYPE_F32 || a.dtype > DTYPE_F16 || a.num_kv_heads < 1 || a.head_dim < 1 ||
+    if (a.dtype < NS_F32 || a.dtype > NS_F16 || a.num_kv_heads < 1 || a.head_dim < 1 ||
         a.block_size < 1 || a.num_q_heads % a.num_kv_heads != 0 || num_threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "paged_attention_decode: inconsistent sizes or dtype code");
+        PyErr_SetString(PyExc_ValueError,
+                        "paged_attention_decode: inconsistent sizes or dtype code");
         return NULL;
     }
     a.out = (void *)(uintptr_t)out;
@@ -410,86 +368,59 @@ static PyObject *py_paged_attention_decode(PyObject *self, PyObject *args) {
     a.scale = (float)scale;
     if (nanoserve_check_tables(&a) < 0) return NULL;
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = nanoserve_decode_attention(&a, num_threads);
-    Py_END_ALLOW_THREADS if (rc < 0) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS;
+    rc = nanoserve_decode_attention(&a, num_threads);
+    Py_END_ALLOW_THREADS;
+    if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-static PyObject *py_store_kv(PyObject *self, PyObject *args) {
-    (void)self;
-    unsigned long long key, value, k_cache, v_cache, slots;
-    Py_ssize_t num_tokens, num_kv_heads, head_dim, block_size, num_blocks, elem_size;
-    int slots_are_int64;
-    if (!PyArg_ParseTuple(args, "KKKKKnnnnnni", &key, &value, &k_cache, &v_cache, &slots,
-                          &num_tokens, &num_kv_heads, &head_dim, &block_size, &num_blocks,
-                          &elem_size, &slots_are_int64))
-        return NULL;
-    const int64_t *s64 = (const int64_t *)(uintptr_t)slots;
-    const int32_t *s32 = (const int32_t *)(uintptr_t)slots;
-    const int64_t num_slots = (int64_t)num_blocks * block_size;
+/* Slot i of an int64 or int32 slot mapping. */
+static inline int64_t slot_at(const void *slots, Py_ssize_t i, int slots_are_int64) {
+    return slots_are_int64 ? ((const int64_t *)slots)[i] : ((const int32_t *)slots)[i];
+}
+
+/* 0, or -1 with a ValueError set when a slot is past the cache (negative ones are skipped). */
+static int check_slots(const void *slots, Py_ssize_t num_tokens, int slots_are_int64,
+                       int64_t num_slots) {
     for (Py_ssize_t i = 0; i < num_tokens; i++) {
-        int64_t slot = slots_are_int64 ? s64[i] : s32[i];
+        const int64_t slot = slot_at(slots, i, slots_are_int64);
         if (slot >= num_slots) {
             PyErr_Format(PyExc_ValueError,
                          "slot_mapping[%zd] = %lld is outside [0, %lld) (num_blocks * block_size)",
                          i, (long long)slot, (long long)num_slots);
-            return NULL;
+            return -1;
         }
     }
-    const size_t row = (size_t)(head_dim * elem_size);
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < num_tokens; i++) {
-        int64_t slot = slots_are_int64 ? s64[i] : s32[i];
-        if (slot < 0) continue;
-        const size_t blk = (size_t)(slot / block_size), off = (size_t)(slot % block_size);
-        for (Py_ssize_t h = 0; h < num_kv_heads; h++) {
-            const size_t src = ((size_t)i * (size_t)num_kv_heads + (size_t)h) * row;
-            const size_t dst = ((blk * (size_t)num_kv_heads + (size_t)h) * (size_t)block_size + off) * row;
-            memcpy((char *)(uintptr_t)k_cache + dst, (const char *)(uintptr_t)key + src, row);
-            memcpy((char *)(uintptr_t)v_cache + dst, (const char *)(uintptr_t)value + src, row);
-        }
-    }
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    return 0;
 }
 
-static PyObject *py_openmp_max_threads(PyObject *self, PyObject *unused) {
+PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    (void)unused;
-    return PyLong_FromLong(omp_get_max_threads());
+    static char *kwlist[] = {"key", "value", "k_cache", "v_cache", "slot_mapping", "num_tokens",
+                             "num_kv_heads", "head_dim", "block_size", "num_blocks", "elem_size",
+                             "slots_are_int64", NULL};
+    unsigned long long key, value, k_cache, v_cache, slots;
+    Py_ssize_t num_tokens, head_dim, num_blocks, elem_size;
+    kv_cache c;
+    int slots_are_int64;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKnnnnnni", kwlist, &key, &value, &k_cache,
+                                     &v_cache, &slots, &num_tokens, &c.num_kv_heads, &head_dim,
+                                     &c.block_size, &num_blocks, &elem_size, &slots_are_int64))
+        return NULL;
+    const void *slot_mapping = (const void *)(uintptr_t)slots;
+    if (check_slots(slot_mapping, num_tokens, slots_are_int64,
+                    (int64_t)num_blocks * c.block_size) < 0)
+        return NULL;
+    c.k_cache = (char *)(uintptr_t)k_cache;
+    c.v_cache = (char *)(uintptr_t)v_cache;
+    c.row_bytes = (size_t)(head_dim * elem_size);
+    const size_t token_bytes = (size_t)c.num_kv_heads * c.row_bytes;
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t i = 0; i < num_tokens; i++)
+        ns_store_kv_token(&c, (const char *)(uintptr_t)key + (size_t)i * token_bytes,
+                          (const char *)(uintptr_t)value + (size_t)i * token_bytes,
+                          slot_at(slot_mapping, i, slots_are_int64));
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
 }
-
-PyObject *nanoserve_small_linear(PyObject *self, PyObject *args); /* linear.c */
-PyObject *nanoserve_rms_norm(PyObject *self, PyObject *args);     /* norm_rope.c */
-PyObject *nanoserve_rope(PyObject *self, PyObject *args);         /* norm_rope.c */
-PyObject *nanoserve_decode_layers(PyObject *self, PyObject *args); /* decode_step.c */
-
-static PyMethodDef methods[] = {
-    {"paged_attention_decode", py_paged_attention_decode, METH_VARARGS,
-     "paged_attention_decode(out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, "
-     "num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq, scale, "
-     "dtype_code, num_threads): pointers as ints, contiguous tensors."},
-    {"store_kv", py_store_kv, METH_VARARGS,
-     "store_kv(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, "
-     "block_size, num_blocks, elem_size, slots_are_int64): pointers as ints."},
-    {"small_linear", nanoserve_small_linear, METH_VARARGS,
-     "small_linear(out, x, w, M, N, K, dtype_code, num_threads): out[m, n] = sum_k x[m, k] * "
-     "w[n, k] for M <= 4 rows, float32 (0) or bfloat16 (1); pointers as ints."},
-    {"rms_norm", nanoserve_rms_norm, METH_VARARGS,
-     "rms_norm(out, x, w, rows, hidden, eps, dtype_code, num_threads): RMSNorm of each row."},
-    {"rope", nanoserve_rope, METH_VARARGS,
-     "rope(qk, positions, cos, sin, rows, heads, head_dim, row_stride, table_rows, dtype_code, "
-     "num_threads): rotary embedding in place; positions int64."},
-    {"decode_layers", nanoserve_decode_layers, METH_VARARGS,
-     "decode_layers(h, layers, num_layers, positions, slots, cos, sin, table_rows, block_tables, "
-     "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
-     "head_dim, intermediate, eps, scale, dtype_code, num_threads): a decode step of up to 4 "
-     "rows through every layer, h updated in place; pointers as ints."},
-    {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS,
-     "omp_get_max_threads() of the OpenMP runtime this module is bound to."},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_C", "Paged-attention decode, KV store, small-M linear, RMSNorm and RoPE; C11 + OpenMP.", -1, methods,
-    NULL, NULL, NULL, NULL};
-
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }

@@ -1,0 +1,61 @@
+/* The module nanoserve.kernels._C: its method table and constants. The entry points live beside
+ * their kernels (paged_attention.c, linear.c, norm_rope.c, decode_step.c); each takes its
+ * arguments by keyword (kernels/c_backend.py names every one), pointers as ints. */
+#include "nanoserve.h"
+
+#include <omp.h>
+
+static PyObject *py_openmp_max_threads(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(omp_get_max_threads());
+}
+
+/* A (self, args, kwargs) function as the PyCFunction that METH_KEYWORDS entries hold. */
+#define KW_FUNCTION(f) (PyCFunction)(void (*)(void))(f)
+
+static PyMethodDef methods[] = {
+    {"paged_attention_decode", KW_FUNCTION(nanoserve_py_paged_attention_decode),
+     METH_VARARGS | METH_KEYWORDS,
+     "paged_attention_decode(out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, "
+     "num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq, scale, "
+     "dtype_code, num_threads): pointers as ints, contiguous tensors."},
+    {"store_kv", KW_FUNCTION(nanoserve_py_store_kv), METH_VARARGS | METH_KEYWORDS,
+     "store_kv(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, "
+     "block_size, num_blocks, elem_size, slots_are_int64): pointers as ints."},
+    {"small_linear", KW_FUNCTION(nanoserve_py_small_linear), METH_VARARGS | METH_KEYWORDS,
+     "small_linear(out, x, w, M, N, K, dtype_code, num_threads): out[m, n] = sum_k x[m, k] * "
+     "w[n, k] for M <= GEMV_ROWS rows, float32 (0) or bfloat16 (1); pointers as ints."},
+    {"rms_norm", KW_FUNCTION(nanoserve_py_rms_norm), METH_VARARGS | METH_KEYWORDS,
+     "rms_norm(out, x, w, rows, hidden, eps, dtype_code, num_threads): RMSNorm of each row."},
+    {"rope", KW_FUNCTION(nanoserve_py_rope), METH_VARARGS | METH_KEYWORDS,
+     "rope(qk, positions, cos, sin, rows, heads, head_dim, row_stride, table_rows, dtype_code, "
+     "num_threads): rotary embedding in place; positions int64."},
+    {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
+     "decode_layers(h, layers, num_layers, positions, slots, cos, sin, table_rows, block_tables, "
+     "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
+     "head_dim, intermediate, eps, scale, dtype_code, num_threads): a decode step of up to "
+     "GEMV_ROWS rows through every layer, h updated in place; pointers as ints."},
+    {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS,
+     "omp_get_max_threads() of the OpenMP runtime this module is bound to."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    "_C",
+    "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE and the one-call decode "
+    "step; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and decode_layers take.",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__C(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "GEMV_ROWS", NS_GEMV_ROWS) < 0) Py_CLEAR(m);
+    return m;
+}

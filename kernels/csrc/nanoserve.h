@@ -1,0 +1,173 @@
+/* The one header of the C kernels (nanoserve.kernels._C): the dtype codes, the number conversions
+ * and the constants they share, and each file's entry points for use from the others (decode_step.c
+ * runs the kernels back to back without returning to Python) and from the module table (module.c).
+ *
+ * Tensors arrive as data pointers to contiguous rows. All C entry points but nanoserve_check_tables
+ * can run with the GIL released and raise nothing; the Python entry points (nanoserve_py_*) take
+ * keyword arguments, parse them, check what would make a kernel read out of bounds, and raise.
+ */
+#ifndef NANOSERVE_H
+#define NANOSERVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The dtype codes Python passes (kernels/c_backend.py DTYPE_CODES). Float16 is a cache dtype of
+ * paged attention and the KV store only; the other kernels take float32 and bfloat16. */
+enum ns_dtype { NS_F32 = 0, NS_BF16 = 1, NS_F16 = 2 };
+
+/* Rows the GEMV (and so the one-call decode step) takes at most; exported as _C.GEMV_ROWS, from
+ * which kernels.api.SMALL_LINEAR_MAX_ROWS comes. */
+enum { NS_GEMV_ROWS = 4 };
+
+#if defined(__GNUC__)
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define ALWAYS_INLINE inline
+#endif
+
+/* Bytes of one element of dtype. */
+static inline size_t ns_dtype_size(int dtype) { return dtype == NS_F32 ? 4 : 2; }
+
+static inline float ns_bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t ns_f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* bfloat16 <-> float32: widening is exact; narrowing rounds to nearest even, NaN kept quiet. */
+static inline float ns_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t ns_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* float16 -> float32, exact. Branch-free (masks, not ternaries) so that a loop over it vectorises.
+ * Subnormals go through an int->float conversion, not a denormal multiply, so a flush-denormals
+ * mode cannot zero them. */
+static inline float ns_f16_to_f32(uint16_t h) {
+    uint32_t em = h & 0x7fffu;
+    uint32_t is_sub = 0u - (uint32_t)(em < 0x0400u);
+    uint32_t is_special = 0u - (uint32_t)(em >= 0x7c00u);
+    uint32_t normal = (em << 13) + (112u << 23);
+    uint32_t special = (em << 13) | 0x7f800000u;
+    uint32_t sub = ns_f32_to_bits((float)em * 0x1p-24f);
+    uint32_t mag = (sub & is_sub) | (special & is_special) | (normal & ~(is_sub | is_special));
+    return ns_bits_to_f32(mag | ((uint32_t)(h & 0x8000u) << 16));
+}
+
+/* float32 -> float16, rounded to nearest even; overflow to inf, NaN kept quiet. */
+static inline uint16_t ns_f32_to_f16(float f) {
+    uint32_t u = ns_f32_to_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u; /* >= 65520 rounds to inf */
+    if (a < 0x38800000u) /* below 2^-14: subnormal half, unit 2^-24, exact scaling then rint */
+        return sign | (uint16_t)lrintf(ns_bits_to_f32(a) * 0x1p24f);
+    a -= 112u << 23; /* rebias the exponent from 127 to 15 */
+    a += 0xfffu + ((a >> 13) & 1u);
+    return sign | (uint16_t)(a >> 13);
+}
+
+/* Element i of a float32 or bfloat16 array, as float32. */
+static inline float ns_load(const void *p, Py_ssize_t i, int dtype) {
+    if (dtype == NS_BF16) return ns_bf16_to_f32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+/* Stores f as element i of a float32 or bfloat16 array. */
+static inline void ns_store(void *p, Py_ssize_t i, float f, int dtype) {
+    if (dtype == NS_BF16)
+        ((uint16_t *)p)[i] = ns_f32_to_bf16(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+/* f rounded to the dtype and back: where torch would round an intermediate result. */
+static inline float ns_round(float f, int dtype) {
+    if (dtype != NS_BF16) return f;
+    uint16_t h;
+    ns_store(&h, 0, f, dtype);
+    return ns_load(&h, 0, dtype);
+}
+
+/* paged_attention.c: decode attention of one query token per sequence over the paged KV cache,
+ * [num_blocks, num_kv_heads, block_size, head_dim]; dtype float32, bfloat16 or float16. */
+typedef struct {
+    void *out;
+    const void *q, *k, *v;
+    const int32_t *block_tables, *context_lens;
+    Py_ssize_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    Py_ssize_t max_blocks_per_seq;
+    float scale;
+    int dtype;
+} decode_args;
+
+/* 0, or -1 when a thread could not allocate its scratch. */
+int nanoserve_decode_attention(const decode_args *a, int num_threads);
+/* 0, or -1 with a Python ValueError set (call with the GIL held). */
+int nanoserve_check_tables(const decode_args *a);
+
+/* A layer's KV cache: k_cache and v_cache [num_blocks, num_kv_heads, block_size, head_dim], rows
+ * of row_bytes (head_dim elements). */
+typedef struct {
+    char *k_cache, *v_cache;
+    Py_ssize_t num_kv_heads, block_size;
+    size_t row_bytes;
+} kv_cache;
+
+/* The KV store, of kernels.store_kv (paged_attention.c) and of the decode step (decode_step.c):
+ * one token's key and value, num_kv_heads rows each, into cache slot `slot` = block * block_size
+ * + offset. A negative slot (a padding row) is skipped; the caller has checked that the others are
+ * inside the cache. */
+static inline void ns_store_kv_token(const kv_cache *c, const char *key, const char *value,
+                                     int64_t slot) {
+    if (slot < 0) return;
+    const size_t heads = (size_t)c->num_kv_heads, bs = (size_t)c->block_size, row = c->row_bytes;
+    const size_t blk = (size_t)(slot / c->block_size), off = (size_t)(slot % c->block_size);
+    for (size_t h = 0; h < heads; h++) {
+        const size_t dst = ((blk * heads + h) * bs + off) * row;
+        memcpy(c->k_cache + dst, key + h * row, row);
+        memcpy(c->v_cache + dst, value + h * row, row);
+    }
+}
+
+/* linear.c: out[m, n] = sum_k x[m, k] * w[n, k], M <= NS_GEMV_ROWS; 0, or -1 when out of memory. */
+int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssize_t N,
+                   Py_ssize_t K, int dtype, int num_threads);
+
+/* norm_rope.c */
+void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
+                             Py_ssize_t hidden, float eps, int dtype, int num_threads);
+void nanoserve_rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,
+                         Py_ssize_t rows, Py_ssize_t heads, Py_ssize_t head_dim,
+                         Py_ssize_t row_stride, int dtype, int num_threads);
+
+/* The Python entry points, (self, args, kwargs), listed in module.c's method table. */
+PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_rope(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs);
+
+#endif
