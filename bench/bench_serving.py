@@ -38,9 +38,9 @@ import trio
 from machine import cpu_model
 
 from nanoserve.demo import write_checkpoint
-from nanoserve.harness import MODEL_NAME, LiveServer, live_server
-from nanoserve.metrics import Metrics
-from nanoserve.outputs import RequestMetrics, RequestOutput
+from nanoserve.testing.harness import MODEL_NAME, LiveServer, live_server
+from nanoserve.server.metrics import Metrics
+from nanoserve.engine.outputs import RequestMetrics, RequestOutput
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {

@@ -30,8 +30,8 @@ import llama_cpp as lc
 import numpy as np
 import torch
 
-from nanoserve.config import ModelConfig
-from nanoserve.loader import load_weights
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.loader import load_weights
 
 Request = tuple[list[int], int]  # prompt token ids, output tokens wanted
 

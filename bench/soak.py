@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import trio
 
-from nanoserve.crowd import WORDS
+from nanoserve.testing.crowd import WORDS
 from nanoserve.demo import demo_model_dir
-from nanoserve.harness import MODEL_NAME, LiveServer, live_server, sse_data
+from nanoserve.testing.harness import MODEL_NAME, LiveServer, live_server, sse_data
 
 RESULTS = Path(__file__).parent / "results"
 C, X = "/v1/completions", "/v1/chat/completions"
