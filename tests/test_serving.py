@@ -192,7 +192,7 @@ async def test_event_loop_stays_responsive_while_steps_run(engine, monkeypatch, 
         nursery.start_soon(ticker)
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         async with trio.open_nursery() as clients:
-            for i in range(2):
+            for _ in range(2):
                 clients.start_soon(_collect, serving, list(range(1, 60)), params)
         done.set()
         steps = serving.steps

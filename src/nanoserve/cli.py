@@ -219,8 +219,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from nanoserve.engine import Engine
     from nanoserve.server.app import create_app
-    from nanoserve.server.serve import serve
     from nanoserve.server.bridge import Serving
+    from nanoserve.server.serve import serve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

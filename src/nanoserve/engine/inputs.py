@@ -107,7 +107,7 @@ def _pad(lists: _Lists, count: int) -> None:
         lists.lens.append(1)
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return torch.tensor(list(values), dtype=dtype)
+    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)

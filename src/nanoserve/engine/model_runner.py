@@ -7,6 +7,7 @@ memory after a warm-up forward through the same path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,13 +56,13 @@ class ModelRunner:
                 self.graphs.capture()
 
     @torch.inference_mode()
-    def forward(self, batch: list[Chunk]) -> torch.Tensor:
+    def forward(self, batch: Sequence[Chunk]) -> torch.Tensor:
         """Logits [rows that sample, vocab] (float32) for a batch ordered decodes first."""
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         return self._forward(self._pack(batch))
 
-    def _pack(self, batch: list[Chunk]) -> StepInputs:
+    def _pack(self, batch: Sequence[Chunk]) -> StepInputs:
         return pack(batch, self.config.block_size, self.device, self.config.attention_backend)
 
     def _forward(self, inputs: StepInputs, kv_caches: KVCaches | None = None) -> torch.Tensor:

@@ -18,9 +18,8 @@ from safetensors import safe_open
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.linear import Linear
 
-# Each layer's tensors, in this order; the matrices become Linears.
+# Each layer's tensors in `fuse`'s flat list, in this order.
 LAYER_TENSORS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
-MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass
@@ -116,8 +115,15 @@ def pack(tensors: list[torch.Tensor], num_layers: int) -> LlamaWeights:
     embed, lm_head, norm, *rest = tensors
     layers = []
     for i in range(num_layers):
-        named = dict(zip(LAYER_TENSORS, rest[i * 6 : (i + 1) * 6], strict=True))
+        t = dict(zip(LAYER_TENSORS, rest[i * 6 : (i + 1) * 6], strict=True))
         layers.append(
-            LayerWeights(**{k: Linear(t) if k in MATRICES else t for k, t in named.items()})
+            LayerWeights(
+                input_norm=t["input_norm"],
+                qkv=Linear(t["qkv"]),
+                o=Linear(t["o"]),
+                post_norm=t["post_norm"],
+                gate_up=Linear(t["gate_up"]),
+                down=Linear(t["down"]),
+            )
         )
     return LlamaWeights(embed=embed, norm=norm, lm_head=Linear(lm_head), layers=layers)
