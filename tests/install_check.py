@@ -1,5 +1,6 @@
 """Run by `nox -s install_check` in a virtual environment holding nanoserve and its runtime
-dependencies only: every module imports, and the test helpers say which extra they need."""
+dependencies only: every module imports (but the Triton kernel, which is the `triton` extra's and
+is imported only where triton is), and the test helpers say which extra they need."""
 
 import importlib
 import pkgutil
@@ -8,7 +9,8 @@ import sys
 
 import nanoserve
 
-TEST_ONLY = ("httpx", "openai", "transformers", "pytest", "hypothesis", "importlinter")
+TEST_ONLY = ("httpx", "openai", "transformers", "pytest", "hypothesis", "importlinter", "triton")
+BEHIND_EXTRAS = ("nanoserve.testing", "nanoserve.kernels.triton_decode")
 
 
 def main() -> None:
@@ -17,7 +19,7 @@ def main() -> None:
             sys.exit(f"{name} is installed: this check needs an environment without test extras")
     imported = []
     for module in pkgutil.walk_packages(nanoserve.__path__, "nanoserve."):
-        if module.name.startswith("nanoserve.testing"):
+        if module.name.startswith(BEHIND_EXTRAS):
             continue
         importlib.import_module(module.name)
         imported.append(module.name)

@@ -48,17 +48,14 @@ class Delivery:
 
     latest: RequestOutput | None = None
     error: Exception | None = None
-    finished: bool = False
     wakeup: trio.Event = field(default_factory=trio.Event)
 
     def put(self, output: RequestOutput) -> None:
         self.latest = output
-        self.finished = output.finished
         self.wakeup.set()
 
     def fail(self, error: Exception) -> None:
         self.error = error
-        self.finished = True
         self.wakeup.set()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
