@@ -1,9 +1,9 @@
-"""Sessions: tests and tests_avx2 (the CI suite, run by a bare `nox`), lint (ruff + mypy),
-bench (benchmarks), soak."""
+"""Sessions: tests, tests_avx2 and install_check (the CI suite, run by a bare `nox`), lint (ruff +
+mypy), bench (benchmarks), soak."""
 
 import nox
 
-nox.options.sessions = ["tests", "tests_avx2"]
+nox.options.sessions = ["tests", "tests_avx2", "install_check"]
 # A CPU build that lies on the development and CI machines; a bare "torch" may pull a CUDA build.
 TORCH = "torch==2.13.0"
 # What differs between x86-64 CPUs: these tests run again as on a CPU with AVX2 but no AVX-512.
@@ -48,16 +48,18 @@ def bench(session: nox.Session) -> None:
     """Kernel, engine and serving benchmarks; results and plots land in bench/results/."""
     session.install(TORCH)
     session.install("-e", ".[bench]")  # compiles llama-cpp-python the first time (minutes)
-    session.run("python", "bench/bench_kernels.py", *session.posargs)
-    session.run("python", "bench/bench_engine.py")
-    session.run("python", "bench/bench_engine.py", "--dtype", "bfloat16", "--skip-serial")
-    session.run("python", "bench/plot.py")  # bench_engine.py writes JSON only
-    session.run("python", "bench/bench_serving.py")
+    session.run("python", "-m", "bench.bench_kernels", *session.posargs)
+    session.run("python", "-m", "bench.bench_engine")
+    session.run("python", "-m", "bench.bench_engine", "--dtype", "bfloat16", "--skip-serial")
+    session.run("python", "-m", "bench.plot")  # bench_engine.py writes JSON only
+    session.run("python", "-m", "bench.bench_serving")
     # Long prompts among short ones: inter-token latency with and without chunked prefill.
     mix = ["--rate", "4", "--concurrency", "--requests", "32", "--prompt-len", "16", "1800",
            "--max-num-batched-tokens", "256"]  # fmt: skip
-    session.run("python", "bench/bench_serving.py", *mix, "--name", "chunked")
-    session.run("python", "bench/bench_serving.py", *mix, "--no-chunked-prefill", "--name", "whole")
+    session.run("python", "-m", "bench.bench_serving", *mix, "--name", "chunked")
+    session.run(
+        "python", "-m", "bench.bench_serving", *mix, "--no-chunked-prefill", "--name", "whole"
+    )
 
 
 @nox.session
@@ -66,4 +68,12 @@ def soak(session: nox.Session) -> None:
     a shorter run). Fails on any 5xx or leaked KV block; writes bench/results/soak.json."""
     session.install(TORCH)
     session.install("-e", ".[bench]")
-    session.run("python", "bench/soak.py", *session.posargs)
+    session.run("python", "-m", "bench.soak", *session.posargs)
+
+
+@nox.session
+def install_check(session: nox.Session) -> None:
+    """nanoserve with its runtime dependencies alone: every module imports, the CLI answers."""
+    session.install(TORCH)
+    session.install(".")
+    session.run("python", "tests/install_check.py")

@@ -10,8 +10,8 @@ checkpoint converted to GGUF f32 (bench/llamacpp.py). Output tokens/s counts onl
 request asked for. Prints tables and writes bench/results/engine_<device>_<shape>_<dtype>.json,
 with the floors the machine sets (see floors).
 
-    python bench/bench_engine.py [--skip-serial] [--skip-llamacpp] [--dtype float32|bfloat16]
-    python bench/bench_engine.py --device cuda --shape 1b --requests 256 --dtype bfloat16 \
+    python -m bench.bench_engine [--skip-serial] [--skip-llamacpp] [--dtype float32|bfloat16]
+    python -m bench.bench_engine --device cuda --shape 1b --requests 256 --dtype bfloat16 \
         --skip-serial --out DIR          # the GPU run of bench/gpu_check.sh
 """
 
@@ -24,70 +24,14 @@ import time
 from pathlib import Path
 
 import torch
-from machine import cpu_model
 
+from bench.machine import cpu_model
+from bench.workloads import SHAPES, chat_workload, workload
 from nanoserve import LLM, SamplingParams
 from nanoserve.demo import write_checkpoint
 from nanoserve.model.linear import Linear
 
 RESULTS = Path(__file__).parent / "results"
-SHAPES = {
-    "25m": dict(
-        hidden_size=512,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=2,
-        intermediate_size=1536,
-        vocab_size=4096,
-        max_position_embeddings=1024,
-    ),
-    "1b": dict(
-        hidden_size=2048,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        intermediate_size=8192,
-        vocab_size=128256,
-        max_position_embeddings=4096,
-    ),
-}
-MODEL = SHAPES["25m"]
-
-
-def workload(count: int = 64, seed: int = 0, vocab: int = 4096) -> list[tuple[list[int], int]]:
-    """Prompts of 16-256 tokens and outputs of 16-128 tokens, drawn uniformly."""
-    g = torch.Generator().manual_seed(seed)
-    requests = []
-    for _ in range(count):
-        prompt_len = int(torch.randint(16, 257, (1,), generator=g))
-        output_len = int(torch.randint(16, 129, (1,), generator=g))
-        requests.append((torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), output_len))
-    return requests
-
-
-def chat_workload(
-    conversations: int = 16, turns: int = 4, seed: int = 1, vocab: int = 4096
-) -> list[tuple[list[int], int]]:
-    """Chat-like traffic: every conversation opens with one shared 96-token system prompt, and turn
-    t's prompt is the conversation so far (earlier user messages of 16-64 tokens, each followed by
-    a stand-in reply of 32-96) plus a new user message; replies of 32-160 tokens. All turns are
-    submitted at once, so a server with prefix caching computes the shared parts once."""
-    g = torch.Generator().manual_seed(seed)
-
-    def tokens(low: int, high: int) -> list[int]:
-        return torch.randint(
-            0, vocab, (int(torch.randint(low, high + 1, (1,), generator=g)),), generator=g
-        ).tolist()
-
-    system = tokens(96, 96)
-    requests = []
-    for _ in range(conversations):
-        history = list(system)
-        for _ in range(turns):
-            history += tokens(16, 64)
-            requests.append((list(history), int(torch.randint(32, 161, (1,), generator=g))))
-            history += tokens(32, 96)
-    return requests
 
 
 def run_engine(model_dir: Path, requests, dtype: str, device: str, serial: bool = False) -> float:
@@ -159,7 +103,7 @@ def floors(model_dir: Path, requests, dtype: str) -> dict:
     matmul = 2 * 2048**3 / min(_best(lambda: a @ a), _best(lambda: packed(a)))
     llm = LLM(str(model_dir), dtype=dtype)
     engine, c = llm.engine, llm.engine.model_config
-    weights = engine.runner.model.layers
+    weights = engine.runner.model.weights.layers
     tensors = [getattr(w, "weight", w) for layer in weights for w in vars(layer).values()]
     layer_params = sum(t.numel() for t in tensors)  # a Linear's .weight, or a norm's tensor
     head_params = c.vocab_size * c.hidden_size
@@ -242,7 +186,7 @@ def run_workload(model_dir: Path, requests, args, serial: bool) -> dict:
     rows[hf] = run_transformers(model_dir, requests, args.dtype, args.device, args.hf_batch)
     if args.device == "cpu" and args.dtype == "float32" and not args.skip_llamacpp:
         try:
-            from llamacpp import run_llamacpp
+            from bench.llamacpp import run_llamacpp
         except ImportError as e:
             print(f"llama.cpp column skipped: {e} (pip install llama-cpp-python gguf)")
         else:

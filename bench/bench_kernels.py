@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-from machine import cpu_model
 
 import nanoserve.kernels as kernels
+from bench.machine import cpu_model
 from nanoserve.kernels import c_backend
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16

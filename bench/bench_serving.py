@@ -12,7 +12,7 @@ inbox behind a running step, which the engine's queue time cannot see). A ticker
 run measures how late the event loop wakes it (the loop's stalls).
 Prints a table; writes bench/results/serving_<device>.json and .png.
 
-    python bench/bench_serving.py [--rate 2 4 8 16 32] [--concurrency 1 16] [--requests 48]
+    python -m bench.bench_serving [--rate 2 4 8 16 32] [--concurrency 1 16] [--requests 48]
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ import httpx
 import numpy as np
 import torch
 import trio
-from machine import cpu_model
 
+from bench.machine import cpu_model
 from nanoserve.demo import write_checkpoint
-from nanoserve.harness import MODEL_NAME, LiveServer, live_server
-from nanoserve.metrics import Metrics
-from nanoserve.outputs import RequestMetrics, RequestOutput
+from nanoserve.engine import RequestMetrics, RequestOutput
+from nanoserve.server.metrics import Metrics
+from nanoserve.testing.harness import MODEL_NAME, LiveServer, live_server
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {

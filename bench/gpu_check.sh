@@ -100,10 +100,10 @@ if "$PY" -c "import pytest" 2>/dev/null; then
     --rootdir "$REPO" -p no:cacheprovider -rA --junitxml="$OUT/engine_tests.xml"
 fi
 
-step bench 120 "$PY" bench/bench_kernels.py --device cuda --out "$OUT"
-step engine_bench 170 "$PY" bench/bench_engine.py --device cuda --shape 1b --requests 256 \
+step bench 120 "$PY" -m bench.bench_kernels --device cuda --out "$OUT"
+step engine_bench 170 "$PY" -m bench.bench_engine --device cuda --shape 1b --requests 256 \
   --dtype bfloat16 --hf-batch 32 --skip-serial --out "$OUT"
-step sweep 90 "$PY" bench/bench_kernels.py --device cuda --sweep --out "$OUT"
+step sweep 90 "$PY" -m bench.bench_kernels --device cuda --sweep --out "$OUT"
 
 echo "== status"
 cat "$STATUS"

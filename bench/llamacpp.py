@@ -10,7 +10,7 @@ a next token is due; greedy argmax, EOS ignored, until each request has its outp
 sequence that finishes frees its slot (at most 64) for the next request. Only that loop is timed;
 conversion, loading and a warm-up prefill and decode step are not.
 
-    python bench/llamacpp.py [--requests 8] [--threads 2] [--defaults] [--no-check]
+    python -m bench.llamacpp [--requests 8] [--threads 2] [--defaults] [--no-check]
 
 The __main__ times a 25m float32 checkpoint and checks the greedy tokens against nanoserve's.
 """
@@ -30,8 +30,8 @@ import llama_cpp as lc
 import numpy as np
 import torch
 
-from nanoserve.config import ModelConfig
-from nanoserve.loader import load_weights
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.loader import read_checkpoint
 
 Request = tuple[list[int], int]  # prompt token ids, output tokens wanted
 
@@ -55,7 +55,7 @@ def convert(model_dir: Path, out: Path) -> Path:
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(w, model_dir, cfg.vocab_size)
 
-    hf = load_weights(model_dir, torch.float32)
+    hf = read_checkpoint(model_dir, torch.float32)
     tensors = {
         "token_embd": hf.pop("model.embed_tokens.weight"),
         "output_norm": hf.pop("model.norm.weight"),
@@ -276,8 +276,7 @@ def _nanoserve_outputs(model_dir: Path, requests: list[Request]) -> list[list[in
 
 
 def main() -> None:
-    from bench_engine import SHAPES, workload
-
+    from bench.workloads import SHAPES, workload
     from nanoserve.demo import write_checkpoint
 
     parser = argparse.ArgumentParser()

@@ -4,7 +4,7 @@ For each bench/results/engine_*.json (or the files named), writes a PNG beside i
 workload, output tokens/s of each row (nanoserve batched, transformers, llama.cpp, nanoserve one
 request at a time), each bar labelled with its speed-up over transformers.
 
-    python bench/plot.py [RESULT.json ...]
+    python -m bench.plot [RESULT.json ...]
 """
 
 from __future__ import annotations

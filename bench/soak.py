@@ -6,7 +6,7 @@ random parameters: completions or chat, streamed or unary, greedy or sampled (te
 top_p, top_k), stop strings, n, logprobs, max_tokens; some hang up at a random point, a few send a
 deliberately bad request. The pool is small enough that the engine preempts.
 
-    python bench/soak.py [--seconds 180] [--rate 6] [--seed 0] [--model DIR]
+    python -m bench.soak [--seconds 180] [--rate 6] [--seed 0] [--model DIR]
 
 Prints a table; writes bench/results/soak.json (and soak.png with matplotlib). Exits 1 if any
 request got a 5xx (or a stream an error event), the server dropped a connection, a client hung,
@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 import trio
 
-from nanoserve.crowd import WORDS
 from nanoserve.demo import demo_model_dir
-from nanoserve.harness import MODEL_NAME, LiveServer, live_server, sse_data
+from nanoserve.testing.crowd import WORDS
+from nanoserve.testing.harness import MODEL_NAME, LiveServer, live_server, sse_data
 
 RESULTS = Path(__file__).parent / "results"
 C, X = "/v1/completions", "/v1/chat/completions"

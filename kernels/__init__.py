@@ -10,6 +10,7 @@ rms_norm and rope_ do Llama's RMSNorm and rotary embedding in one C call each on
 from .api import (
     BACKENDS,
     CACHE_DTYPES,
+    SMALL_LINEAR_MAX_ROWS,
     BackendUnavailableError,
     available_backends,
     paged_attention_decode,
@@ -22,6 +23,7 @@ from .api import (
 __all__ = [
     "BACKENDS",
     "CACHE_DTYPES",
+    "SMALL_LINEAR_MAX_ROWS",
     "BackendUnavailableError",
     "available_backends",
     "paged_attention_decode",

@@ -3,7 +3,7 @@ run on the same server, the pool returned, and proof that the crowd was hard."""
 
 import pytest
 
-from nanoserve.crowd import (
+from nanoserve.testing.crowd import (
     check_answers,
     check_pool_returned,
     check_survivors,
@@ -11,7 +11,7 @@ from nanoserve.crowd import (
     run_crowd,
     run_solo,
 )
-from nanoserve.harness import MODEL_NAME, live_server
+from nanoserve.testing.harness import MODEL_NAME, live_server
 
 # Measured: with 4 slots and 12 blocks of 16 tokens this crowd preempts (see the assertions).
 POOL = dict(block_size=16, num_kv_blocks=12, max_num_seqs=4)

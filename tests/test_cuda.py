@@ -15,7 +15,7 @@ PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 64, 1)]
 def _generate(llm, params):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     llm.engine.audit()
-    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.stats().free_blocks == llm.engine.num_blocks
     return [o.outputs[0].token_ids for o in outs]
 
 

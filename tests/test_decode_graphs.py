@@ -3,7 +3,7 @@ padded up to a captured size gives the tokens of the plain eager path, and paddi
 cache block."""
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cuda_graphs import DecodeGraphs
+from nanoserve.engine.cuda_graphs import DecodeGraphs
 
 
 def _generate(llm, count=5):
@@ -23,7 +23,7 @@ def test_padded_decode_matches_eager(tiny_model_dir):
     padded = LLM(str(tiny_model_dir), max_num_seqs=8)
     runner = padded.engine.runner
     graphs = DecodeGraphs(
-        runner.model, runner.kv_caches, padded.engine.config, runner.max_model_len
+        runner._forward, padded.engine.config, runner.max_model_len, runner.device
     )
     runner.graphs = graphs
     used = []
@@ -37,4 +37,4 @@ def test_padded_decode_matches_eager(tiny_model_dir):
     assert _generate(padded) == expected
     assert used and any(n not in graphs.sizes for n in used), "no batch was padded"
     padded.engine.audit()
-    assert padded.engine.num_free_blocks == padded.engine.num_blocks
+    assert padded.engine.stats().free_blocks == padded.engine.num_blocks

@@ -9,7 +9,7 @@ first four tests. Counts come from the server itself (/health and /metrics).
 
 import pytest
 
-from nanoserve.harness import hang_up, live_server, open_request, read_until
+from nanoserve.testing.harness import hang_up, live_server, open_request, read_until
 
 BUDGET = 1500  # tokens each departing request asks for
 AFTER_HANG_UP = 16  # tokens the engine may still generate once the client is gone
@@ -35,7 +35,7 @@ async def _tokens_spent_after(server, stream, reset=False):
     idle = await server.wait_idle()
     engine = server.engine
     engine.audit()
-    assert engine.num_free_blocks == engine.num_blocks and not engine.has_unfinished()
+    assert engine.stats().free_blocks == engine.num_blocks and not engine.has_unfinished()
     return idle["generation_tokens"] - before
 
 

@@ -25,7 +25,7 @@ def _mixed_requests(count=16):
 
 def _check_pool(llm):
     llm.engine.audit()
-    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.stats().free_blocks == llm.engine.num_blocks
 
 
 def test_tokens_do_not_depend_on_the_batch_or_on_preemption(tiny_model_dir):
@@ -36,7 +36,7 @@ def test_tokens_do_not_depend_on_the_batch_or_on_preemption(tiny_model_dir):
 
     crowded = LLM(str(tiny_model_dir), block_size=8, num_kv_blocks=20, max_num_batched_tokens=64)
     together = crowded.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-    stats = crowded.engine.scheduler.stats
+    stats = crowded.engine.stats()
     assert stats.num_preemptions > 0 and stats.num_recomputed_tokens > 0
     assert stats.peak_running >= 4
     _check_pool(crowded)
@@ -52,9 +52,9 @@ def test_prefix_cache_hit_computes_fewer_tokens_and_changes_nothing(tiny_model_d
 
     cached = LLM(str(tiny_model_dir))
     cached.generate([first], params, use_tqdm=False)
-    before = cached.engine.num_computed_tokens
+    before = cached.engine.stats().computed_tokens
     with_cache = cached.generate([second], params, use_tqdm=False)[0]
-    computed = cached.engine.num_computed_tokens - before
+    computed = cached.engine.stats().computed_tokens - before
     assert with_cache.num_cached_tokens == 48
     assert computed == 51 + 12 - 1 - 48  # prompt tail, then one position per later token
     _check_pool(cached)
@@ -73,7 +73,7 @@ def test_n_completions_share_the_prompt_blocks(tiny_model_dir):
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "three seeded samples identical"
-    stats = llm.engine.scheduler.stats
+    stats = llm.engine.stats()
     assert stats.num_prefix_hit_tokens == 2 * 48  # the later two reuse the first's blocks
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
@@ -88,7 +88,7 @@ def test_abort_waiting_and_running_frees_everything(tiny_model_dir):
     engine.add_request("waiting", list(range(1, 30)), params)
     engine.step()
     engine.step()
-    assert engine.num_free_blocks < engine.num_blocks
+    assert engine.stats().free_blocks < engine.num_blocks
     assert [r.request_id for r in engine.scheduler.running] == ["running"]
     engine.audit()
     out = engine.abort("waiting")

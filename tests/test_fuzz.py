@@ -24,9 +24,9 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.crowd import check_pool_returned
-from nanoserve.harness import MODEL_NAME, WAIT_S, LiveServer, live_server, sse_data
-from nanoserve.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.testing.crowd import check_pool_returned
+from nanoserve.testing.harness import MODEL_NAME, WAIT_S, LiveServer, live_server, sse_data
 
 C, X = "/v1/completions", "/v1/chat/completions"
 EXAMPLES = 60

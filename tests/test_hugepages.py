@@ -4,7 +4,7 @@ import mmap
 import pytest
 import torch
 
-from nanoserve import hugepages
+from nanoserve.model import hugepages
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE here")

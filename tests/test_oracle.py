@@ -41,8 +41,8 @@ def _ours(model_dir, prompts, **engine_args):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.engine.audit()
-    assert llm.engine.num_free_blocks == llm.engine.num_blocks
-    return [list(o.outputs[0].token_ids) for o in outs], llm.engine.scheduler.stats
+    assert llm.engine.stats().free_blocks == llm.engine.num_blocks
+    return [list(o.outputs[0].token_ids) for o in outs], llm.engine.stats()
 
 
 @pytest.mark.parametrize(
@@ -94,7 +94,7 @@ def test_greedy_matches_transformers_on_torch_paths_alone(tiny_model_dir, monkey
     prompts = _prompts(500)
     ours, _ = _ours(tiny_model_dir, prompts)
     assert ours == _reference(tiny_model_dir, prompts)
-    head = LLM(str(tiny_model_dir)).engine.runner.model.lm_head
+    head = LLM(str(tiny_model_dir)).engine.runner.model.weights.lm_head
     assert head.packed is None and not head.gemv  # the patches did take effect
 
 

@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.crowd import check_pool_returned
-from nanoserve.harness import (
+from nanoserve.testing.crowd import check_pool_returned
+from nanoserve.testing.harness import (
     MODEL_NAME,
     WAIT_S,
     LiveServer,

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.sampling import SampleRow, sample
+from nanoserve.engine.sampling import SampleRow, sample
 
 PROMPT = {"prompt_token_ids": [5, 17, 300, 42, 9, 250, 77]}
 

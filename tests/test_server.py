@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.harness import (
+from nanoserve.testing.harness import (
     MODEL_NAME,
     WAIT_S,
     chat_token_ids,

@@ -12,8 +12,8 @@ import trio
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine, RequestRejected
-from nanoserve.sampling import SamplingParams
-from nanoserve.serving import EngineDead, Overloaded, RequestFailed, Serving
+from nanoserve.engine.sampling import SamplingParams
+from nanoserve.server.bridge import EngineDead, Overloaded, RequestFailed, Serving
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -29,8 +29,8 @@ async def _serve(nursery, engine, **kw):
     return serving
 
 
-async def _collect(serving, rid, prompt, params=GREEDY):
-    async with serving.generate(rid, prompt, params) as outputs:
+async def _collect(serving, prompt, params=GREEDY):
+    async with serving.generate(prompt, params) as outputs:
         return [out async for out in outputs]
 
 
@@ -45,7 +45,7 @@ async def test_answers_match_the_offline_engine(engine, tiny_model_dir):
         results = {}
 
         async def one(i):
-            results[i] = await _collect(serving, f"r{i}", [5, 6, 7, 8])
+            results[i] = await _collect(serving, [5, 6, 7, 8])
 
         async with trio.open_nursery() as clients:
             for i in range(5):
@@ -63,12 +63,12 @@ async def test_a_waiting_request_whose_caller_left_never_runs(engine):
         long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         seen = set()
         async with trio.open_nursery() as busy:
-            busy.start_soon(_collect, serving, "a", [1, 2, 3], long)
-            busy.start_soon(_collect, serving, "b", [1, 2, 3], long)
+            busy.start_soon(_collect, serving, [1, 2, 3], long)
+            busy.start_soon(_collect, serving, [1, 2, 3], long)
             while serving.health()["running"] < 2:  # both slots taken
                 await trio.sleep(0.001)
-            with trio.move_on_after(0.01) as scope:  # queued behind them, then gone
-                await _collect(serving, "gone", [9, 9, 9], long)
+            with trio.move_on_after(0.01) as scope:  # queued behind them (id "2"), then gone
+                await _collect(serving, [9, 9, 9], long)
             assert scope.cancelled_caught
             busy.cancel_scope.cancel()  # free the slots: "gone" would run now if still queued
         while engine.has_unfinished() or serving.health()["waiting"]:
@@ -76,7 +76,7 @@ async def test_a_waiting_request_whose_caller_left_never_runs(engine):
             await trio.sleep(0.001)
         steps = serving.steps
         await trio.sleep(0.05)
-        assert "gone" not in seen and serving.steps == steps
+        assert "2" not in seen and serving.steps == steps  # the third request's id
         assert serving.health()["free_blocks"] == engine.num_blocks
         nursery.cancel_scope.cancel()
 
@@ -85,7 +85,7 @@ async def test_cancelled_caller_aborts_a_running_request_within_a_step(engine):
     async with trio.open_nursery() as nursery:
         serving = await _serve(nursery, engine)
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-        async with serving.generate("r", [1, 2, 3], params) as outputs:
+        async with serving.generate([1, 2, 3], params) as outputs:
             async for out in outputs:
                 if len(out.outputs[0].token_ids) >= 3:
                     break
@@ -93,7 +93,7 @@ async def test_cancelled_caller_aborts_a_running_request_within_a_step(engine):
         while engine.has_unfinished():
             await trio.sleep(0.005)
         assert serving.steps - steps_at_leave <= 2
-        assert engine.num_generated_tokens < 10
+        assert engine.stats().generation_tokens < 10
         engine.audit()
         nursery.cancel_scope.cancel()
 
@@ -103,7 +103,7 @@ async def test_a_slow_reader_gets_coalesced_snapshots(engine):
         serving = await _serve(nursery, engine)
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         seen = []
-        async with serving.generate("slow", [1, 2, 3], params) as outputs:
+        async with serving.generate([1, 2, 3], params) as outputs:
             async for out in outputs:
                 seen.append(len(out.outputs[0].token_ids))
                 await trio.sleep(0.05)  # far slower than a step
@@ -115,16 +115,14 @@ async def test_refusals_happen_before_anything_is_queued(engine):
     async with trio.open_nursery() as nursery:
         serving = await _serve(nursery, engine, max_queue=1)
         with pytest.raises(RequestRejected) as e:
-            await _collect(serving, "x", [], GREEDY)
+            await _collect(serving, [], GREEDY)
         assert e.value.param == "prompt"
         with pytest.raises(RequestRejected) as e:
-            await _collect(serving, "x", [1], SamplingParams(max_tokens=10**6))
+            await _collect(serving, [1], SamplingParams(max_tokens=10**6))
         assert e.value.param == "max_tokens"
-        async with serving.generate("dup", [1, 2], GREEDY):
-            with pytest.raises(RequestRejected, match="already in use"):
-                await _collect(serving, "dup", [1, 2])
+        async with serving.generate([1, 2], GREEDY):
             with pytest.raises(Overloaded):
-                await _collect(serving, "one-too-many", [1, 2])
+                await _collect(serving, [1, 2])
         nursery.cancel_scope.cancel()
 
 
@@ -140,7 +138,7 @@ async def test_a_step_that_raises_fails_every_open_request(engine, monkeypatch):
 
         async def client(i):
             try:
-                await _collect(serving, f"c{i}", [1, 2, 3])
+                await _collect(serving, [1, 2, 3])
             except RequestFailed as e:
                 failures.append(str(e))
 
@@ -152,7 +150,7 @@ async def test_a_step_that_raises_fails_every_open_request(engine, monkeypatch):
         assert health["status"] == "dead" and "simulated" in health["reason"]
         assert health["free_blocks"] == engine.num_blocks
         with pytest.raises(EngineDead):
-            await _collect(serving, "late", [1, 2, 3])
+            await _collect(serving, [1, 2, 3])
         nursery.cancel_scope.cancel()
 
 
@@ -161,7 +159,7 @@ async def test_a_schedule_without_progress_fails_every_open_request(engine):
         serving = await _serve(nursery, engine)
         engine.scheduler.max_num_batched_tokens = 0  # nothing can ever be scheduled
         with pytest.raises(RequestFailed, match="none can be scheduled"):
-            await _collect(serving, "stuck", [1, 2, 3])
+            await _collect(serving, [1, 2, 3])
         assert serving.health()["status"] == "dead"
         nursery.cancel_scope.cancel()
 
@@ -194,8 +192,8 @@ async def test_event_loop_stays_responsive_while_steps_run(engine, monkeypatch, 
         nursery.start_soon(ticker)
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         async with trio.open_nursery() as clients:
-            for i in range(2):
-                clients.start_soon(_collect, serving, f"t{i}", list(range(1, 60)), params)
+            for _ in range(2):
+                clients.start_soon(_collect, serving, list(range(1, 60)), params)
         done.set()
         steps = serving.steps
         nursery.cancel_scope.cancel()

@@ -10,9 +10,9 @@ __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 _HOMES = {
     "LLM": "nanoserve.llm",
-    "CompletionOutput": "nanoserve.outputs",
-    "RequestOutput": "nanoserve.outputs",
-    "SamplingParams": "nanoserve.sampling",
+    "CompletionOutput": "nanoserve.engine.outputs",
+    "RequestOutput": "nanoserve.engine.outputs",
+    "SamplingParams": "nanoserve.engine.sampling",
 }
 
 

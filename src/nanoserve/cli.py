@@ -218,8 +218,9 @@ def _serve(args: argparse.Namespace) -> int:
     import trio
 
     from nanoserve.engine import Engine
-    from nanoserve.server import create_app, serve
-    from nanoserve.serving import Serving
+    from nanoserve.server.app import create_app
+    from nanoserve.server.bridge import Serving
+    from nanoserve.server.serve import serve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -239,8 +240,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from nanoserve.engine import SamplingParams
     from nanoserve.llm import LLM
-    from nanoserve.sampling import SamplingParams
 
     config = _engine_config(args)
     model_dir = _model_dir(args)

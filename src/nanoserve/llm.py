@@ -10,9 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
-from nanoserve.outputs import RequestOutput
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine import Engine, RequestOutput, SamplingParams
 
 Prompt = str | dict[str, Any]
 

@@ -9,25 +9,24 @@ other devices and dtypes take the layer-by-layer path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
 import torch
 
-from nanoserve.attention import AttentionMetadata
-from nanoserve.kernels import c_backend
-from nanoserve.model.linear import GEMV_ROWS
-
-if TYPE_CHECKING:
-    from nanoserve.model.llama import Llama
+from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, c_backend
+from nanoserve.model.attention import AttentionMetadata
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.loader import LayerWeights
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class CpuDecodeStep:
-    def __init__(self, model: Llama) -> None:
+    def __init__(self, layers: list[LayerWeights], config: ModelConfig) -> None:
         """Reads the weights' addresses once: replacing a layer's tensors afterwards would leave
         this step reading the old ones (nothing in nanoserve does)."""
-        self.model = model
+        self.config = config
+        self.scale = 1.0 / math.sqrt(config.head_dim)
         self.weights = [
             [
                 t.data_ptr()
@@ -40,23 +39,23 @@ class CpuDecodeStep:
                     layer.down.weight,
                 )
             ]
-            for layer in model.layers
+            for layer in layers
         ]
         self._caches: list[torch.Tensor] = []  # the cache tensors behind self._table
         self._table = torch.empty(0, dtype=torch.uint64)
 
     @staticmethod
-    def supported(model: Llama) -> bool:
-        linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o)]
-        linears += [lin for layer in model.layers for lin in (layer.gate_up, layer.down)]
-        return c_backend.enabled() and all(lin.gemv for lin in linears)
+    def supported(layers: list[LayerWeights]) -> bool:
+        """Every matrix takes the C GEMV (CPU, float32 or bfloat16, C kernels on)."""
+        matrices = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return c_backend.enabled() and all(m.gemv for m in matrices)
 
     def applies(self, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step of 1-4 tokens whose metadata has the C step's types and shapes."""
         n = positions.shape[0]
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         return (
-            1 <= n <= GEMV_ROWS
+            1 <= n <= SMALL_LINEAR_MAX_ROWS
             and meta.num_decode == n
             and not meta.prefills
             and meta.backend in ("auto", "c")
@@ -69,17 +68,23 @@ class CpuDecodeStep:
         )
 
     def __call__(
-        self, h: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> None:
         """Runs every layer on h ([num_tokens, hidden], updated in place)."""
-        c, k_cache = self.model.config, kv_caches[0][0]
+        c, k_cache = self.config, kv_caches[0][0]
         c_backend.decode_layers(
             h,
             self._pointers(kv_caches, h.dtype),
             positions,
             meta.slot_mapping,
-            self.model.cos,
-            self.model.sin,
+            cos,
+            sin,
             meta.decode_block_tables,
             meta.decode_context_lens,
             num_blocks=k_cache.shape[0],
@@ -88,7 +93,7 @@ class CpuDecodeStep:
             kv_heads=c.num_kv_heads,
             intermediate=c.intermediate_size,
             eps=c.rms_norm_eps,
-            scale=self.model.scale,
+            scale=self.scale,
         )
 
     def _pointers(self, kv_caches: KVCaches, dtype: torch.dtype) -> torch.Tensor:
@@ -100,7 +105,7 @@ class CpuDecodeStep:
             return self._table
         if len(kv_caches) != len(self.weights):
             raise ValueError(f"{len(kv_caches)} KV cache pairs for {len(self.weights)} layers")
-        c = self.model.config
+        c = self.config
         shape = (caches[0].shape[0], c.num_kv_heads, caches[0].shape[2], c.head_dim)
         for t in caches:
             if t.shape != shape or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():

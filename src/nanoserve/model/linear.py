@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import c_backend, small_linear
+from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, c_backend, small_linear
 
-GEMV_ROWS = 4  # the C GEMV takes up to this many rows (kernels.api.SMALL_LINEAR_MAX_ROWS)
 PACK_ROWS_HINT = 64  # oneDNN picks its blocking for about this many rows; any count works
 
 
@@ -32,7 +31,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T for x [rows, in_features] of the weight's dtype and device."""
-        if self.gemv and x.shape[0] <= GEMV_ROWS:
+        if self.gemv and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
             return small_linear(x.contiguous(), self.weight)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(

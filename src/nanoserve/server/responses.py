@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.protocol import (
+from nanoserve.engine import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from nanoserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -25,7 +25,6 @@ from nanoserve.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from nanoserve.sampling import Logprob, SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoserve.sampling import Logprob
+from nanoserve.engine.sampling import Logprob
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""The paged KV cache: per-layer key/value tensors and the block allocator that hands out their
-blocks. The allocator owns the free list, the ref counts and the prefix-cache map (a chain hash of
-each full block's tokens, confirmed against the token ids on a hit). A freed block keeps its hash,
-and stays findable, until it is handed out again.
+"""The paged KV cache: per-layer key/value tensors, the block allocator that hands out their
+blocks, and the block arithmetic (`cdiv`, `slot`) that everything else uses. The allocator owns
+the free list, the ref counts and the prefix-cache map (a chain hash of each full block's tokens,
+confirmed against the token ids on a hit). A freed block keeps its hash, and stays findable, until
+it is handed out again.
 """
 
 from __future__ import annotations
@@ -10,6 +11,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: the blocks that `a` tokens take, at `b` tokens a block."""
+    return -(-a // b)
+
+
+def slot(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """The cache slot (block * block_size + row) that holds token `position` of a sequence."""
+    return block_table[position // block_size] * block_size + position % block_size
 
 
 def block_bytes(

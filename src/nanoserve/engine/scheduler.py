@@ -13,14 +13,30 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanoserve.kv_cache import BlockAllocator
-from nanoserve.request import Request, Status
+from nanoserve.engine.kv_cache import BlockAllocator, cdiv
+from nanoserve.engine.request import Request, Status
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
+    """A request's part of one step: `num_new_tokens` tokens from position `start` on."""
+
     request: Request
     num_new_tokens: int
+    start: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.request.block_table
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token: its logits give the next one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -73,12 +89,13 @@ class Scheduler:
                     break
             else:
                 self._grow(request, num_new)
-                scheduled.append(ScheduledRequest(request, num_new))
+                scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
                 budget -= num_new
                 i += 1
         if not preempted:
             budget = self._admit(budget, scheduled)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        scheduled.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first, as packed
         return scheduled
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
@@ -98,7 +115,7 @@ class Scheduler:
             self.waiting.popleft()
             self._start(request, blocks, hashes, num_cached)
             self._grow(request, num_new)
-            scheduled.append(ScheduledRequest(request, num_new))
+            scheduled.append(ScheduledRequest(request, num_new, num_cached))
             budget -= num_new
             if request.in_prefill:
                 prefilling.add(request.group_id)
@@ -120,14 +137,13 @@ class Scheduler:
 
     def _blocks_needed(self, request: Request, num_new: int) -> int:
         total = request.num_computed_tokens + num_new
-        return max(0, -(-total // self.allocator.block_size) - len(request.block_table))
+        return max(0, cdiv(total, self.allocator.block_size) - len(request.block_table))
 
     def _can_grow(self, request: Request, num_new: int) -> bool:
         return self._blocks_needed(request, num_new) <= self.allocator.num_free
 
     def _can_admit(self, cached_blocks: list[int], num_tokens: int) -> bool:
-        bs = self.allocator.block_size
-        new_blocks = -(-num_tokens // bs) - len(cached_blocks)
+        new_blocks = cdiv(num_tokens, self.allocator.block_size) - len(cached_blocks)
         # Cached blocks nobody holds sit on the free list: taking them uses free blocks too.
         revived = sum(1 for b in cached_blocks if self.allocator.ref_counts[b] == 0)
         reserve = self.watermark_blocks if self.running else 0
@@ -184,6 +200,3 @@ class Scheduler:
             self.waiting.remove(request)
         self.allocator.release(request.block_table)
         request.block_table = []
-
-    def block_tables(self) -> list[list[int]]:
-        return [r.block_table for r in self.running]

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from nanoserve.sampling import Logprob, SamplingParams
+from nanoserve.engine.sampling import Logprob, SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer
 
 

@@ -4,12 +4,14 @@ One engine task (`Serving.run`, started in the server's nursery) owns the Engine
 touch it: `Serving.generate` puts an arrival in the inbox (a Trio memory channel) and reads the
 request's deliveries; leaving early, for any reason, queues an abort. Each turn of the engine task
 drains the inbox, applies aborts, delivers, then awaits one `engine.step` in a named thread: the
-only line that leaves the event loop. With no work it sleeps on the inbox.
+only line that leaves the event loop. With no work it sleeps on the inbox. The engine's fixed
+facts (`tokenizer`, `max_model_len`) are handed to the server here, at start-up.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import math
 import time
@@ -19,12 +21,10 @@ from dataclasses import dataclass, field
 
 import trio
 
-from nanoserve.engine import Engine, RequestRejected
-from nanoserve.metrics import Metrics
-from nanoserve.outputs import RequestOutput
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine import Engine, RequestOutput, SamplingParams
+from nanoserve.server.metrics import Metrics
 
-log = logging.getLogger("nanoserve.serving")
+log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
@@ -48,17 +48,14 @@ class Delivery:
 
     latest: RequestOutput | None = None
     error: Exception | None = None
-    finished: bool = False
     wakeup: trio.Event = field(default_factory=trio.Event)
 
     def put(self, output: RequestOutput) -> None:
         self.latest = output
-        self.finished = output.finished
         self.wakeup.set()
 
     def fail(self, error: Exception) -> None:
         self.error = error
-        self.finished = True
         self.wakeup.set()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -94,10 +91,13 @@ class Serving:
         self, engine: Engine, max_queue: int | None = None, metrics: Metrics | None = None
     ):
         self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self._send, self._inbox = trio.open_memory_channel[_Arrival | _Abort](math.inf)
         self._open: dict[str, Delivery] = {}  # every request a handler is waiting on
+        self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # produced by the last step, not yet delivered
         self.dead: str | None = None  # why the engine stopped serving, once it has
         self.steps = 0
@@ -110,11 +110,12 @@ class Serving:
 
     @asynccontextmanager
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
         """Submit a request and iterate over its outputs (cumulative snapshots, the last one
         finished). Refusals raise here, before anything is queued. Leaving the block before the
         request finished (a disconnect cancels the handler) aborts it at the next step."""
+        request_id = str(next(self._ids))
         delivery = self._submit(request_id, prompt_token_ids, params)
         try:
             yield delivery.outputs()
@@ -127,8 +128,6 @@ class Serving:
     def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> Delivery:
         if self.dead is not None:
             raise EngineDead(f"the engine has stopped: {self.dead}")
-        if request_id in self._open:
-            raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
         self.engine.check_request(prompt, params)
         if self.max_queue is not None and self.num_waiting >= self.max_queue:
             raise Overloaded(
@@ -222,8 +221,7 @@ class Serving:
         """A failed step, or a schedule that cannot progress: every open request fails, the
         engine's requests are aborted so their blocks come back, and new ones are refused."""
         self.dead = reason
-        for request_id in list(self.engine.groups):
-            self.engine.abort(request_id)
+        self.engine.abort_all()
         for delivery in self._open.values():
             delivery.fail(RequestFailed(reason))
         self._pending.clear()
@@ -231,18 +229,18 @@ class Serving:
 
     def _snapshot(self) -> None:
         """What /health and the queue limit read, written only by the engine task between steps."""
-        engine, stats = self.engine, self.engine.scheduler.stats
-        self.num_waiting = len(engine.scheduler.waiting) + self._arrivals_in_inbox
+        stats = self.engine.stats()
+        self.num_waiting = stats.waiting + self._arrivals_in_inbox
         self.state = {
-            "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting),
-            "free_blocks": engine.num_free_blocks,
-            "total_blocks": engine.num_blocks,
+            "running": stats.running,
+            "waiting": stats.waiting,
+            "free_blocks": stats.free_blocks,
+            "total_blocks": stats.total_blocks,
             "steps": self.steps,
             "num_preemptions": stats.num_preemptions,
             "num_recomputed_tokens": stats.num_recomputed_tokens,
             "peak_running": stats.peak_running,
-            "generation_tokens": engine.num_generated_tokens,
+            "generation_tokens": stats.generation_tokens,
         }
         self.metrics.on_state(self.state)
 

@@ -1,23 +1,28 @@
-"""The engine: `add_request`, `abort`, `step`. Each step schedules a batch, runs one forward over
-the packed tokens, samples, detokenizes and checks stop conditions. Single-threaded and lock-free:
-whoever owns an Engine calls it from one place at a time (the offline loop, or the serving task).
+"""The engine. Its whole surface: `add_request`, `check_request`, `abort`, `abort_all`, `step`,
+`has_unfinished`, `stats()`, and the fixed facts `tokenizer`, `max_model_len`, `num_blocks`.
+Each step schedules a batch, runs one forward over the packed tokens, samples, detokenizes and
+checks stop conditions. Single-threaded and lock-free: whoever owns an Engine calls it from one
+place at a time (the offline loop, or the serving task); it owns the scheduler, the block
+allocator, the runner and every request.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from nanoserve.config import EngineConfig, ModelConfig
-from nanoserve.kv_cache import BlockAllocator
-from nanoserve.model_runner import ModelRunner
-from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanoserve.request import Request, Status
-from nanoserve.sampling import SampleRow, SamplingParams, mix_seed, sample
-from nanoserve.scheduler import Scheduler
+from nanoserve.config import EngineConfig
+from nanoserve.engine.kv_cache import BlockAllocator, cdiv
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.request import Request, Status
+from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.model.config import ModelConfig
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -31,6 +36,22 @@ class RequestRejected(ValueError):
 
 class SchedulerStalled(RuntimeError):
     """Requests are waiting but none can be scheduled: the engine would spin forever."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters since it started."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    num_preemptions: int
+    num_recomputed_tokens: int  # positions computed again after a preemption
+    num_prefix_hit_tokens: int  # prompt positions found in the prefix cache
+    peak_running: int
+    generation_tokens: int
+    computed_tokens: int  # all positions run through the model, recomputes too
 
 
 class Engine:
@@ -52,10 +73,10 @@ class Engine:
             config.enable_chunked_prefill,
             config.watermark,
         )
-        self.groups: dict[str, list[Request]] = {}
+        self._groups: dict[str, list[Request]] = {}
         self._seeds = random.Random(0)
-        self.num_generated_tokens = 0
-        self.num_computed_tokens = 0  # all positions run through the model, recomputes too
+        self._generated = 0
+        self._computed = 0
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -69,7 +90,7 @@ class Engine:
         """Queue a request; raises RequestRejected (naming the field) if it could never run.
         `arrival_time` (time.monotonic) defaults to now; a server passes when the client asked."""
         params = params or SamplingParams()
-        if request_id in self.groups:
+        if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self.check_request(token_ids, params)
@@ -87,7 +108,7 @@ class Engine:
             )
             request.arrival_time = arrived
             group.append(request)
-        self.groups[request_id] = group
+        self._groups[request_id] = group
         for request in group:
             self.scheduler.add(request)
 
@@ -121,7 +142,7 @@ class Engine:
                 "max_tokens",
             )
         bs = self.config.block_size
-        needed = -(-(n + max_tokens) // bs)
+        needed = cdiv(n + max_tokens, bs)
         if needed > self.num_blocks:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "
@@ -132,7 +153,7 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is (waiting or running) and free its blocks."""
-        group = self.groups.pop(request_id, None)
+        group = self._groups.pop(request_id, None)
         if group is None:
             return None
         for request in group:
@@ -141,8 +162,28 @@ class Engine:
                 request.finish("abort")
         return self._output(group)
 
+    def abort_all(self) -> None:
+        """Abort every request (their blocks come back)."""
+        for request_id in list(self._groups):
+            self.abort(request_id)
+
     def has_unfinished(self) -> bool:
-        return bool(self.groups)
+        return bool(self._groups)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            free_blocks=self.allocator.num_free,
+            total_blocks=self.num_blocks,
+            num_preemptions=s.stats.num_preemptions,
+            num_recomputed_tokens=s.stats.num_recomputed_tokens,
+            num_prefix_hit_tokens=s.stats.num_prefix_hit_tokens,
+            peak_running=s.stats.peak_running,
+            generation_tokens=self._generated,
+            computed_tokens=self._computed,
+        )
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -157,14 +198,9 @@ class Engine:
                     f"({self.allocator.num_free} of {self.num_blocks} KV blocks free)"
                 )
             return []
-        batch.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first, then prefills
         logits = self.runner.forward(batch)
         self.scheduler.after_step(batch)
-        ready = [
-            item.request
-            for item in batch
-            if item.request.num_computed_tokens == item.request.num_tokens
-        ]
+        ready = [item.request for item in batch if item.samples]
         samples = sample(logits, [self._sample_row(r) for r in ready])
         now = time.monotonic()
         touched: dict[str, list[Request]] = {}
@@ -172,15 +208,15 @@ class Engine:
             self._append(request, s.token_id, now)
             if s.logprobs is not None:
                 request.logprobs.append(s.logprobs)
-            touched[request.group_id] = self.groups[request.group_id]
+            touched[request.group_id] = self._groups[request.group_id]
         for item in batch:
-            self.num_computed_tokens += item.num_new_tokens
+            self._computed += item.num_new_tokens
             if item.request.is_finished:
                 self.scheduler.remove(item.request)
         outputs = [self._output(group) for group in touched.values()]
         for out in outputs:
             if out.finished:
-                del self.groups[out.request_id]
+                del self._groups[out.request_id]
         return outputs
 
     def _sample_row(self, request: Request) -> SampleRow:
@@ -200,7 +236,7 @@ class Engine:
     def _append(self, request: Request, token: int, now: float) -> None:
         p = request.params
         request.token_ids.append(token)
-        self.num_generated_tokens += 1
+        self._generated += 1
         if request.first_token_time is None:
             request.first_token_time = now
         if token in p.stop_token_ids:
@@ -245,12 +281,8 @@ class Engine:
 
     def audit(self) -> None:
         """Raise if the block ledger disagrees with the live requests' block tables."""
-        live = [r for group in self.groups.values() for r in group if r.status is Status.RUNNING]
+        live = [r for group in self._groups.values() for r in group if r.status is Status.RUNNING]
         self.allocator.audit(r.block_table for r in live)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.allocator.num_free
 
 
 def _completion(request: Request) -> CompletionOutput:

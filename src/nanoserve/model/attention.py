@@ -3,7 +3,7 @@
 A forward step packs decode tokens (one per sequence) first, then prefill chunks. New keys and
 values are written to their cache slots; decode attention goes through the paged kernel API
 (`nanoserve.kernels`), prefill attention through torch SDPA over the sequence's gathered blocks.
-Owns nothing: `AttentionMetadata` is built fresh by the engine for every step.
+Owns nothing: `AttentionMetadata` is built fresh for every step (by the engine's input packer).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class PrefillChunk:
     start: int
     length: int
     context_len: int  # tokens attended to by the chunk's last token (cached + new)
-    block_table: torch.Tensor  # [num_blocks] int32, the sequence's blocks
+    block_table: torch.Tensor  # [blocks holding context_len tokens] int32
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,6 @@ def _prefill(
 
 def _gather(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
     """A sequence's first context_len cached rows as [num_kv_heads, context_len, head_dim]."""
-    num_blocks = -(-chunk.context_len // cache.shape[2])
-    blocks = cache[chunk.block_table[:num_blocks].long()]  # [n, kv_heads, block_size, head_dim]
+    blocks = cache[chunk.block_table.long()]  # [n, kv_heads, block_size, head_dim]
     rows = blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])
     return rows[:, : chunk.context_len]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.engine import SamplingParams
 
 MAX_N = 16  # completions per prompt: each one is a sequence in the batch
 MAX_LOGPROBS = 20

@@ -24,10 +24,10 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from quart_trio import QuartTrio
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, ServerConfig
 from nanoserve.engine import Engine
-from nanoserve.server import DEFAULT_MAX_BODY_BYTES, create_app
-from nanoserve.serving import Serving
+from nanoserve.server.app import create_app
+from nanoserve.server.bridge import Serving
 from nanoserve.tokenizer import Tokenizer
 
 MODEL_NAME = "tiny"
@@ -83,7 +83,7 @@ async def live_server(
     *,
     max_queue: int | None = None,
     api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int = ServerConfig.max_body_bytes,
     **engine_args: Any,
 ) -> AsyncIterator[LiveServer]:
     """Serve the app on 127.0.0.1, port 0; ready when Hypercorn reports its binds (after the

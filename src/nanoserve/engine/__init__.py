@@ -1,0 +1,18 @@
+"""The engine: continuous batching over a paged KV cache. Outside this package only these names
+are used; the scheduler, the block allocator and the requests stay inside."""
+
+from nanoserve.engine.engine import Engine, EngineStats, RequestRejected, SchedulerStalled
+from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.sampling import Logprob, SamplingParams
+
+__all__ = [
+    "CompletionOutput",
+    "Engine",
+    "EngineStats",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestRejected",
+    "SamplingParams",
+    "SchedulerStalled",
+]

@@ -1,0 +1,113 @@
+"""The one input packer: a scheduled batch (decodes first, then prefill chunks) as the tensors of
+one forward pass. Eager steps, CUDA-graph steps (padded to a captured size and table width) and
+the memory profile (one dummy prefill) all come through `pack`. Owns nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from nanoserve.engine.kv_cache import cdiv, slot
+from nanoserve.model.attention import AttentionMetadata, PrefillChunk
+
+
+class Chunk(Protocol):
+    """What the packer reads of a scheduled request (ScheduledRequest has these)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def start(self) -> int: ...  # tokens already in the cache
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def block_table(self) -> Sequence[int]: ...
+    @property
+    def samples(self) -> bool: ...  # the chunk ends at the sequence's last token
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # rows whose next-token logits are wanted
+
+
+@dataclass
+class _Lists:
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    rows: list[int]
+    tables: list[list[int]]
+    lens: list[int]
+
+
+def pack(
+    batch: Sequence[Chunk],
+    block_size: int,
+    device: torch.device,
+    backend: str = "auto",
+    pad_to: int | None = None,
+    table_width: int | None = None,
+) -> StepInputs:
+    """Decodes (one new token each) must come first. `pad_to` adds decode rows that write no
+    cache slot (-1), attend to one token and sample (their logits are to be dropped);
+    `table_width` fixes the decode tables' width (default: the longest)."""
+    lists = _Lists([], [], [], [], [], [])
+    prefills: list[PrefillChunk] = []
+    for chunk in batch:
+        row = len(lists.ids)
+        start, n = chunk.start, chunk.num_new_tokens
+        lists.ids += chunk.token_ids[start : start + n]
+        lists.positions += range(start, start + n)
+        lists.slots += [slot(chunk.block_table, p, block_size) for p in range(start, start + n)]
+        if chunk.samples:
+            lists.rows.append(row + n - 1)
+        if n == 1:
+            lists.tables.append(list(chunk.block_table))
+            lists.lens.append(start + 1)
+        else:
+            table = chunk.block_table[: cdiv(start + n, block_size)]
+            prefills.append(PrefillChunk(row, n, start + n, _tensor(table, torch.int32, device)))
+    if pad_to is not None:
+        if prefills:
+            raise ValueError("only a batch of decodes is padded")
+        _pad(lists, pad_to - len(lists.ids))
+    width = table_width or max((len(t) for t in lists.tables), default=0)
+    tables = [t + [0] * (width - len(t)) for t in lists.tables]
+    meta = AttentionMetadata(
+        slot_mapping=_tensor(lists.slots, torch.int64, device),
+        num_decode=len(tables),
+        decode_block_tables=_tensor(tables, torch.int32, device).reshape(len(tables), width),
+        decode_context_lens=_tensor(lists.lens, torch.int32, device),
+        prefills=tuple(prefills),
+        backend=backend,
+    )
+    return StepInputs(
+        _tensor(lists.ids, torch.int64, device),
+        _tensor(lists.positions, torch.int64, device),
+        meta,
+        _tensor(lists.rows, torch.int64, device),
+    )
+
+
+def _pad(lists: _Lists, count: int) -> None:
+    for _ in range(count):
+        lists.rows.append(len(lists.ids))
+        lists.ids.append(0)
+        lists.positions.append(0)
+        lists.slots.append(-1)
+        lists.tables.append([])
+        lists.lens.append(1)
+
+
+def _tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.tensor(list(values), dtype=dtype)
+    return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -1,0 +1,129 @@
+"""From a checkpoint to the forward pass's weights: reads `model.safetensors` (or the shards listed
+in `model.safetensors.index.json`) in the engine's dtype, fuses q/k/v and gate/up into one matrix
+each, ties the output projection to the embedding where the checkpoint does, and wraps every
+matrix in a `Linear` (which packs it for the device's fastest matmul). Where the weights live is
+the caller's choice (`place`). Owns nothing after loading.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.linear import Linear
+
+# Each layer's tensors in `fuse`'s flat list, in this order.
+LAYER_TENSORS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
+
+
+@dataclass
+class LlamaWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    norm: torch.Tensor
+    lm_head: Linear  # the embedding itself when tied
+    layers: list[LayerWeights]
+
+
+Placement = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def load_weights(
+    path: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    place: Placement | None = None,
+) -> LlamaWeights:
+    """The model's weights: read, fused, moved by `place` (copies of the tensors, in order; a
+    tensor listed twice is the same copy twice), then packed."""
+    tensors = fuse(read_checkpoint(path, dtype, device), config)
+    if place is not None:
+        tensors = place(tensors)
+    return pack(tensors, config.num_layers)
+
+
+def read_checkpoint(
+    path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint under their Hugging Face names, cast to `dtype` on `device`."""
+    weights: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return weights
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {path}; "
+        "nanoserve loads Hugging Face checkpoints in safetensors format"
+    )
+
+
+def fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> list[torch.Tensor]:
+    """[embed, lm_head, norm, then LAYER_TENSORS of every layer], q/k/v and gate/up fused. Takes
+    the tensors out of `weights` (emptied), so that the separate matrices are freed once fused."""
+    lm_head = weights.pop("lm_head.weight", None)
+    if lm_head is None and not config.tie_word_embeddings:
+        raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+    embed = weights.pop("model.embed_tokens.weight")
+    tensors = [embed, embed if lm_head is None else lm_head, weights.pop("model.norm.weight")]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+
+        def take(name: str, p: str = p) -> torch.Tensor:
+            return weights.pop(p + name)
+
+        tensors += [
+            take("input_layernorm.weight"),
+            torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            take("self_attn.o_proj.weight"),
+            take("post_attention_layernorm.weight"),
+            torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+            take("mlp.down_proj.weight"),
+        ]
+    return tensors
+
+
+def pack(tensors: list[torch.Tensor], num_layers: int) -> LlamaWeights:
+    """The flat list from `fuse` as LlamaWeights, every matrix a Linear."""
+    embed, lm_head, norm, *rest = tensors
+    layers = []
+    for i in range(num_layers):
+        t = dict(zip(LAYER_TENSORS, rest[i * 6 : (i + 1) * 6], strict=True))
+        layers.append(
+            LayerWeights(
+                input_norm=t["input_norm"],
+                qkv=Linear(t["qkv"]),
+                o=Linear(t["o"]),
+                post_norm=t["post_norm"],
+                gate_up=Linear(t["gate_up"]),
+                down=Linear(t["down"]),
+            )
+        )
+    return LlamaWeights(embed=embed, norm=norm, lm_head=Linear(lm_head), layers=layers)

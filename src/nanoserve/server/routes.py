@@ -1,0 +1,277 @@
+"""The OpenAI routes: /v1/completions and /v1/chat/completions (unary and SSE), /v1/models,
+/health, /metrics, and the access check (API key, body limit) before each request.
+
+Handlers validate, tokenize (in a "tokenize" thread when the prompt is long) and talk to the
+engine only through `Serving.generate`. A client that leaves cancels its handler (or closes its
+stream's body generator); leaving the `generate` block then queues the abort.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AsyncExitStack, aclosing
+from dataclasses import dataclass
+from functools import partial
+
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from quart import Response, g, request
+
+from nanoserve.engine import RequestOutput, SamplingParams
+from nanoserve.server.bridge import Serving
+from nanoserve.server.errors import ModelNotFound, error_info, error_response, too_large
+from nanoserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    InvalidRequest,
+    ModelCard,
+    ModelList,
+    parse,
+)
+from nanoserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
+
+log = logging.getLogger(__name__)
+
+access_log = logging.getLogger("nanoserve.access")
+
+LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized off the event loop
+
+
+@dataclass
+class AccessRecord:
+    """One request's line in the access log, filled in as the request goes."""
+
+    started: float
+    client: str
+    request_line: str
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+
+    def write(self, status: int | str) -> None:
+        tokens = f"in={_count(self.tokens_in)} out={_count(self.tokens_out)}"
+        seconds = time.monotonic() - self.started
+        access_log.info('%s "%s" %s %s %.3fs', self.client, self.request_line, status, tokens,
+                        seconds)  # fmt: skip
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
+
+
+class OpenAIServer:
+    """The routes. Reads the engine's fixed facts (tokenizer, context length), nothing else."""
+
+    def __init__(self, serving: Serving, model_name: str, api_key: str | None, max_body_bytes: int):
+        self.serving = serving
+        self.tokenizer = serving.tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    async def check_access(self) -> Response | None:
+        host, port = request.scope.get("client") or ("-", 0)
+        line = f"{request.method} {request.path}"
+        g.access = AccessRecord(time.monotonic(), f"{host}:{port}", line)
+        if self.api_key is not None and request.path != "/health":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.encode(), self.api_key.encode()
+            ):
+                return error_response(
+                    401, "invalid or missing API key (Authorization: Bearer KEY)",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                )  # fmt: skip
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            return too_large(self.max_body_bytes)
+        return None
+
+    async def log_access(self, response: Response) -> Response:
+        """Unary responses are logged here; a stream logs itself when its body ends."""
+        if response.mimetype != "text/event-stream" and "access" in g:
+            g.access.write(response.status_code)
+        return response
+
+    # -- routes -------------------------------------------------------------------------------
+
+    async def completions(self) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, await request.get_data(cache=False))
+        self._check_model(req.model)
+        prompts = req.prompts()
+        token_ids = [
+            await self._encode(p) if isinstance(p, str) else p for p in prompts
+        ]  # fmt: skip
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        fmt = CompletionFormat(
+            self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo
+        )
+        return await self._respond(fmt, req.stream, req.include_usage, token_ids, params)
+
+    async def chat_completions(self) -> Response:
+        req: ChatCompletionRequest = parse(
+            ChatCompletionRequest, await request.get_data(cache=False)
+        )
+        self._check_model(req.model)
+        render = partial(self._render_chat, req)
+        if sum(len(m.model_dump_json()) for m in req.messages) > LONG_PROMPT_CHARS:
+            token_ids = await trio.to_thread.run_sync(render, thread_name="tokenize")
+        else:
+            token_ids = render()
+        params = req.sampling_params(req.completion_limit, req.num_logprobs)
+        fmt = ChatFormat(self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params)
+        return await self._respond(fmt, req.stream, req.include_usage, [token_ids], params)
+
+    async def models(self) -> Response:
+        card = ModelCard(
+            id=self.model_name,
+            created=self.created,
+            max_model_len=self.serving.max_model_len,
+        )
+        return _json(ModelList(data=[card]))
+
+    async def health(self) -> Response:
+        health = self.serving.health()
+        return Response(
+            json.dumps(health),
+            200 if health["status"] == "ok" else 503,
+            mimetype="application/json",
+        )
+
+    async def metrics(self) -> Response:
+        return Response(self.serving.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def _respond(
+        self,
+        fmt: ResponseFormat,
+        stream: bool,
+        include_usage: bool,
+        prompts: list[list[int]],
+        params: SamplingParams,
+    ) -> Response:
+        fmt.prompt_tokens = g.access.tokens_in = sum(len(p) for p in prompts)
+        if not stream:
+            async with AsyncExitStack() as stack:
+                streams = await self._submit(stack, prompts, params)
+                finals = [await _last(outputs) for outputs in streams]
+            body = fmt.response(finals)
+            g.access.tokens_out = sum(len(c.token_ids) for out in finals for c in out.outputs)
+            return _json(body)
+        events = self._events(fmt, include_usage, prompts, params, g.access)
+        await anext(events)  # submits: a refusal raises here and gets its own status
+        response = Response(
+            events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut a long stream
+        return response
+
+    async def _events(
+        self,
+        fmt: ResponseFormat,
+        include_usage: bool,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        access: AccessRecord,
+    ) -> AsyncIterator[bytes]:
+        """The SSE body. The streams' `generate` blocks close with this generator: on a
+        disconnect it is cancelled, or closed (GeneratorExit) while suspended at a yield."""
+        ending = None  # until submitted, a refusal is logged with its own status
+        try:
+            async with AsyncExitStack() as stack:
+                streams = await self._submit(stack, prompts, params)
+                ending = "200 (client left)"
+                yield b""
+                try:
+                    for opening in fmt.opening(len(prompts)):
+                        yield _sse(opening)
+                    async with aclosing(self._chunks(fmt, streams)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    if include_usage:
+                        yield _sse(fmt.usage_chunk())
+                    ending = "200"
+                except Exception as e:  # mid-stream: the status line is gone, report in it
+                    status, info = error_info(e)
+                    log.warning("stream %s failed (%d): %s", fmt.id, status, info.message)
+                    ending = f"200 (failed: {status})"
+                    yield _sse(ErrorResponse(error=info))
+                yield b"data: [DONE]\n\n"
+        finally:
+            if ending is not None:
+                access.tokens_out = sum(fmt.sent_tokens.values())
+                access.write(ending)
+
+    async def _chunks(
+        self, fmt: ResponseFormat, streams: list[AsyncIterator[RequestOutput]]
+    ) -> AsyncGenerator[bytes, None]:
+        """Round robin over the prompts' streams: outputs are coalesced snapshots, so a stream
+        waited on later loses nothing; each step usually advances all of them at once."""
+        pending = list(enumerate(streams))
+        while pending:
+            for entry in list(pending):
+                index, outputs = entry
+                out = await anext(outputs)
+                for chunk in fmt.chunks(index, out):
+                    yield _sse(chunk)
+                if out.finished:
+                    pending.remove(entry)
+
+    async def _submit(
+        self, stack: AsyncExitStack, prompts: list[list[int]], params: SamplingParams
+    ) -> list[AsyncIterator[RequestOutput]]:
+        return [
+            await stack.enter_async_context(self.serving.generate(token_ids, params))
+            for token_ids in prompts
+        ]
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(f"the model {model!r} does not exist (this server serves "
+                                f"{self.model_name!r})")  # fmt: skip
+
+    async def _encode(self, text: str) -> list[int]:
+        if len(text) <= LONG_PROMPT_CHARS:
+            return self.tokenizer.encode(text)
+        return await trio.to_thread.run_sync(self.tokenizer.encode, text, thread_name="tokenize")
+
+    def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        kwargs = {
+            k: v
+            for k, v in (req.chat_template_kwargs or {}).items()
+            if k not in ("messages", "add_generation_prompt")
+        }
+        try:
+            text = self.tokenizer.apply_chat_template(
+                req.message_dicts(), add_generation_prompt=req.add_generation_prompt, **kwargs
+            )
+        except ValueError as e:
+            raise InvalidRequest(str(e), "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has BOS
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for last in outputs:  # noqa: B007
+        pass
+    assert last is not None and last.finished
+    return last
+
+
+def _json(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), mimetype="application/json")
+
+
+def _sse(body: BaseModel) -> bytes:
+    return b"data: " + body.model_dump_json().encode() + b"\n\n"
