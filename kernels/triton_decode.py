@@ -113,7 +113,6 @@ def _partial_kernel(
     q_head = kv_head * GROUP + g
     q_off = seq * stride_q_seq + q_head[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
-
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)

@@ -85,6 +85,8 @@ class Llama:
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.freq_factors is not None:
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type != "llama3":
         return inv_freq
     # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
