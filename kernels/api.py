@@ -239,9 +239,9 @@ def _check_device(device: torch.device, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device}, but the other tensors are on {device}")
 
 
-def _check_cache(k_cache: object, v_cache: object) -> tuple[int, ...]:
-    _check_tensor("k_cache", k_cache, _CACHE_LAYOUT)
-    _check_tensor("v_cache", v_cache, _CACHE_LAYOUT)
+def _check_cache(k: object, v: object) -> tuple[int, ...]:
+    k_cache = _check_tensor("k_cache", k, _CACHE_LAYOUT)
+    v_cache = _check_tensor("v_cache", v, _CACHE_LAYOUT)
     _check_dtype("k_cache", k_cache, CACHE_DTYPES)
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}")

@@ -11,7 +11,7 @@ import torch
 from .errors import BackendUnavailableError
 
 try:
-    from . import _C
+    from . import _C  # type: ignore[attr-defined]  # the compiled module
 except ImportError as e:
     _C = None
     _IMPORT_ERROR = str(e)

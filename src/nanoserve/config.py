@@ -5,13 +5,21 @@ command line shows its defaults at once.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cache_dir() -> Path:
+    """Where nanoserve keeps what it builds once (the demo model, GGUF indexes):
+    $NANOSERVE_CACHE, or ~/.cache/nanoserve."""
+    return Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
 
 
 @dataclass(frozen=True)

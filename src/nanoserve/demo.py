@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from nanoserve.config import cache_dir
+
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 EOT = "<|eot_id|>"
@@ -338,7 +340,7 @@ def demo_model_dir() -> Path:
     builds a fresh model. The build goes to a temporary directory renamed into place, so concurrent
     callers never see a half-written model.
     """
-    root = Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+    root = cache_dir()
     digest = hashlib.sha256(json.dumps(DEMO_MODEL, sort_keys=True).encode())
     digest.update(Path(__file__).read_bytes())
     final = root / f"demo-{digest.hexdigest()[:16]}"

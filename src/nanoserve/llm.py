@@ -16,8 +16,16 @@ Prompt = str | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args: Any):
-        self.engine = Engine(model, EngineConfig(**engine_args))
+    def __init__(
+        self, model: str | None = None, *, engine: Engine | None = None, **engine_args: Any
+    ):
+        """`model`: a Hugging Face checkpoint directory or a GGUF file, with the engine's settings
+        as keyword arguments (EngineConfig's fields); or an `engine` already built."""
+        if engine is None:
+            if model is None:
+                raise TypeError("LLM needs a model (or an engine)")
+            engine = Engine(model, EngineConfig(**engine_args))
+        self.engine = engine
         self._counter = 0
 
     def generate(

@@ -22,8 +22,8 @@ from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.model.config import ModelConfig
-from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoserve.model.checkpoint import open_checkpoint
+from nanoserve.tokenizer import IncrementalDetokenizer
 
 
 class RequestRejected(ValueError):
@@ -55,12 +55,14 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+        """`model`: a Hugging Face checkpoint directory or a GGUF file."""
         self.config = config = config or EngineConfig()
-        self.model_config = mc = ModelConfig.from_dir(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        checkpoint = open_checkpoint(model)
+        self.model_config = mc = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
-        self.runner = ModelRunner(model_dir, mc, config)
+        self.runner = ModelRunner(checkpoint, config)
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
         self.allocator = BlockAllocator(

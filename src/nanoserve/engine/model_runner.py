@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -18,25 +17,24 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.inputs import Chunk, StepInputs, pack
 from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv
 from nanoserve.model import hugepages
-from nanoserve.model.config import ModelConfig
+from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.model.cpu_step import CpuDecodeStep
 from nanoserve.model.llama import KVCaches, Llama
 from nanoserve.model.loader import load_weights
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig):
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
-        mc = model_config
+        mc = checkpoint.config
         self._baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
         positions = config.max_model_len or mc.max_position_embeddings
         on_cpu = self.device.type == "cpu"
-        weights = load_weights(
-            model_dir, mc, config.torch_dtype, self.device, hugepages.pack if on_cpu else None
-        )
+        raw = checkpoint.read_tensors(config.torch_dtype, self.device)
+        weights = load_weights(raw, mc, hugepages.pack if on_cpu else None)
         self.model = Llama(mc, weights, positions)
         if on_cpu and CpuDecodeStep.supported(weights.layers):
             self.model.fast_decode = CpuDecodeStep(weights.layers, mc)

@@ -1,8 +1,8 @@
-"""From a checkpoint to the forward pass's weights: reads `model.safetensors` (or the shards listed
-in `model.safetensors.index.json`) in the engine's dtype, fuses q/k/v and gate/up into one matrix
-each, ties the output projection to the embedding where the checkpoint does, and wraps every
-matrix in a `Linear` (which packs it for the device's fastest matmul). Where the weights live is
-the caller's choice (`place`). Owns nothing after loading.
+"""From a checkpoint's tensors to the forward pass's weights: fuses q/k/v and gate/up into one
+matrix each, ties the output projection to the embedding where the checkpoint does, and wraps
+every matrix in a `Linear` (which packs it for the device's fastest matmul). Where the weights
+live is the caller's choice (`place`). Also reads a Hugging Face checkpoint's safetensors (single
+file or shards). Owns nothing after loading.
 """
 
 from __future__ import annotations
@@ -44,15 +44,12 @@ Placement = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def load_weights(
-    path: str | Path,
-    config: ModelConfig,
-    dtype: torch.dtype,
-    device: str | torch.device = "cpu",
-    place: Placement | None = None,
+    raw: dict[str, torch.Tensor], config: ModelConfig, place: Placement | None = None
 ) -> LlamaWeights:
-    """The model's weights: read, fused, moved by `place` (copies of the tensors, in order; a
-    tensor listed twice is the same copy twice), then packed."""
-    tensors = fuse(read_checkpoint(path, dtype, device), config)
+    """The model's weights from its tensors under Hugging Face names (`raw` is emptied): fused,
+    moved by `place` (copies of the tensors, in order; a tensor listed twice is the same copy
+    twice), then packed."""
+    tensors = fuse(raw, config)
     if place is not None:
         tensors = place(tensors)
     return pack(tensors, config.num_layers)

@@ -32,6 +32,12 @@ class Metrics:
             p + "request_success", "Requests finished, by reason", ["finished_reason"], registry=r
         )
         self.aborted = Counter(p + "requests_aborted", "Requests aborted", registry=r)
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(p + name, doc, buckets=LATENCY_BUCKETS, registry=r)
@@ -71,6 +77,8 @@ class Metrics:
         seen, when = self._last.get(output.request_id, (0, now))
         if seen == 0 and count and m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
+            self.prefix_queries.inc(len(output.prompt_token_ids))
+            self.prefix_hits.inc(output.num_cached_tokens)
             if m.first_scheduled_time is not None:
                 self.queue.observe(m.first_scheduled_time - m.arrival_time)
         elif count > seen:

