@@ -256,3 +256,18 @@ def test_chat_on_the_terminal_keeps_the_conversation_and_reuses_its_prefix(tmp_p
     assert "Paris" in first and "Rome" in second
     cached = [int(part.split(", ")[1].split()[0]) for part in (first, second)]
     assert cached[0] == 0 and cached[1] >= 32  # the first turn's blocks, reused
+
+
+def test_prompt_logprobs_equal_transformers_on_smollm2(hf_model, ours):
+    """The scoring path on real weights: every prompt token's logprob within 1e-4 of
+    transformers' log-softmax over the same GGUF."""
+    ids = ours.encode(" ".join(CORPUS[:4]))
+    with torch.inference_mode():
+        reference = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    params = SamplingParams(prompt_logprobs=1, max_tokens=0)
+    out = LLM(str(SMOLLM)).generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    errors = [
+        abs(out.prompt_logprobs[i][ids[i]].logprob - float(reference[i - 1, ids[i]]))
+        for i in range(1, len(ids))
+    ]
+    assert max(errors) < 1e-4, max(errors)

@@ -130,7 +130,7 @@ class Engine:
                 f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
             )
         n, limit = len(token_ids), self.max_model_len
-        if n >= limit:
+        if n > limit or (n == limit and params.max_tokens != 0):
             raise RequestRejected(
                 f"prompt has {n} tokens; this model's context is {limit} tokens "
                 "(max_model_len), which leaves no room to generate",
@@ -200,17 +200,24 @@ class Engine:
                     f"({self.allocator.num_free} of {self.num_blocks} KV blocks free)"
                 )
             return []
-        logits = self.runner.forward(batch)
+        logits, scored = self.runner.forward(batch)
+        for index, entries in scored.items():
+            prompt_logprobs = batch[index].request.prompt_logprobs
+            assert prompt_logprobs is not None
+            prompt_logprobs.extend(entries)
         self.scheduler.after_step(batch)
         ready = [item.request for item in batch if item.samples]
         samples = sample(logits, [self._sample_row(r) for r in ready])
         now = time.monotonic()
         touched: dict[str, list[Request]] = {}
         for request, s in zip(ready, samples, strict=True):
+            touched[request.group_id] = self._groups[request.group_id]
+            if request.max_tokens == 0:  # scoring only: the prompt is computed, nothing more
+                request.finish("length")
+                continue
             self._append(request, s.token_id, now)
             if s.logprobs is not None:
                 request.logprobs.append(s.logprobs)
-            touched[request.group_id] = self._groups[request.group_id]
         for item in batch:
             self._computed += item.num_new_tokens
             if item.request.is_finished:
@@ -263,6 +270,7 @@ class Engine:
         return RequestOutput(
             request_id=first.group_id,
             prompt_token_ids=list(first.prompt_token_ids),
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
             outputs=[_completion(r) for r in group],
             finished=all(r.is_finished for r in group),
             num_cached_tokens=first.num_cached_tokens,

@@ -28,6 +28,19 @@ class Chunk(Protocol):
     def block_table(self) -> Sequence[int]: ...
     @property
     def samples(self) -> bool: ...  # the chunk ends at the sequence's last token
+    @property
+    def prompt_logprob_positions(self) -> range: ...  # positions whose logits score the prompt
+    @property
+    def prompt_logprobs(self) -> int: ...  # alternatives wanted at each prompt position
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """Rows whose logits score prompt tokens: chunk `index` of the batch owns rows
+    [first, first + len(targets)) of `rows`; `targets` are the prompt tokens they predict."""
+
+    rows: torch.Tensor  # packed-batch rows, every chunk's in order
+    chunks: tuple[tuple[int, int, list[int], int], ...]  # (batch index, first, targets, top n)
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,7 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # rows whose next-token logits are wanted
+    scoring: PromptScoring | None = None
 
 
 @dataclass
@@ -61,8 +75,15 @@ def pack(
     `table_width` fixes the decode tables' width (default: the longest)."""
     lists = _Lists([], [], [], [], [], [])
     prefills: list[PrefillChunk] = []
-    for chunk in batch:
+    scoring_rows: list[int] = []
+    scoring: list[tuple[int, int, list[int], int]] = []
+    for index, chunk in enumerate(batch):
         row = len(lists.ids)
+        positions = chunk.prompt_logprob_positions
+        if positions:
+            targets = list(chunk.token_ids[positions.start + 1 : positions.stop + 1])
+            scoring.append((index, len(scoring_rows), targets, chunk.prompt_logprobs))
+            scoring_rows += [row + p - chunk.start for p in positions]
         start, n = chunk.start, chunk.num_new_tokens
         lists.ids += chunk.token_ids[start : start + n]
         lists.positions += range(start, start + n)
@@ -94,6 +115,9 @@ def pack(
         _tensor(lists.positions, torch.int64, device),
         meta,
         _tensor(lists.rows, torch.int64, device),
+        PromptScoring(_tensor(scoring_rows, torch.int64, device), tuple(scoring))
+        if scoring
+        else None,
     )
 
 

@@ -14,13 +14,17 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.cuda_graphs import DecodeGraphs
-from nanoserve.engine.inputs import Chunk, StepInputs, pack
+from nanoserve.engine.inputs import Chunk, PromptScoring, StepInputs, pack
 from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv
+from nanoserve.engine.sampling import Logprob, token_logprobs
 from nanoserve.model import hugepages
 from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.model.cpu_step import CpuDecodeStep
 from nanoserve.model.llama import KVCaches, Llama
 from nanoserve.model.loader import load_weights
+
+TokenLogprobs = dict[int, Logprob]
+SCORING_ROWS = 256  # prompt positions scored at a time (each makes a row of vocabulary logits)
 
 
 class ModelRunner:
@@ -54,11 +58,35 @@ class ModelRunner:
                 self.graphs.capture()
 
     @torch.inference_mode()
-    def forward(self, batch: Sequence[Chunk]) -> torch.Tensor:
-        """Logits [rows that sample, vocab] (float32) for a batch ordered decodes first."""
+    def forward(
+        self, batch: Sequence[Chunk]
+    ) -> tuple[torch.Tensor, dict[int, list[TokenLogprobs]]]:
+        """Logits [rows that sample, vocab] (float32) for a batch ordered decodes first, and the
+        prompt logprobs of the chunks that score their prompt (by index in the batch)."""
         if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch)
-        return self._forward(self._pack(batch))
+            return self.graphs.run(batch), {}
+        inputs = self._pack(batch)
+        if inputs.scoring is None:
+            return self._forward(inputs), {}
+        rows = torch.cat([inputs.logits_rows, inputs.scoring.rows])
+        h = self.model.hidden(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, rows)
+        n = inputs.logits_rows.shape[0]
+        return self.model.logits(h[:n]), self._score(h[n:], inputs.scoring)
+
+    def _score(self, h: torch.Tensor, scoring: PromptScoring) -> dict[int, list[TokenLogprobs]]:
+        """Prompt logprobs, made from SCORING_ROWS rows of vocabulary-wide logits at a time so
+        that a long prompt never holds [prompt length, vocab] floats at once."""
+        targets = [t for _, _, chunk_targets, _ in scoring.chunks for t in chunk_targets]
+        top_n = [n for _, _, chunk_targets, n in scoring.chunks for _ in chunk_targets]
+        entries: list[TokenLogprobs] = []
+        for a in range(0, len(targets), SCORING_ROWS):
+            tokens = torch.tensor(targets[a : a + SCORING_ROWS], device=h.device)
+            logits = self.model.logits(h[a : a + SCORING_ROWS])
+            entries += token_logprobs(logits, tokens, top_n[a : a + SCORING_ROWS])
+        return {
+            index: entries[first : first + len(chunk_targets)]
+            for index, first, chunk_targets, _ in scoring.chunks
+        }
 
     def _pack(self, batch: Sequence[Chunk]) -> StepInputs:
         return pack(batch, self.config.block_size, self.device, self.config.attention_backend)
@@ -120,6 +148,8 @@ class _Prefill:
     block_table: list[int]
     start: int = 0
     samples: bool = True
+    prompt_logprob_positions: range = range(0)
+    prompt_logprobs: int = 0
     num_new_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

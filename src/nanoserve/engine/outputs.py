@@ -33,6 +33,9 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
+    # Entry i: prompt token i's logprob and the top alternatives; None for the first token. Whole
+    # once the prompt is computed (before the first output token); None unless asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int

@@ -39,6 +39,9 @@ class Request:
     num_preemptions: int = 0
     high_water: int = 0  # most tokens ever in the cache at once (preemption drops them)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # Entry i: prompt token i's logprob and alternatives (None for the first token); filled chunk
+    # by chunk as the prompt is computed. Only the first request of a group computes them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or token that ended it
     arrival_time: float = field(default_factory=time.monotonic)
@@ -48,6 +51,17 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
+
+    def prompt_logprob_positions(self, start: int, num_new: int) -> range:
+        """Positions of a chunk [start, start + num_new) whose logits give prompt logprobs not
+        yet recorded: position p predicts prompt token p + 1 (recomputed positions, after a
+        preemption, are not recorded twice)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs) - 1)
+        return range(first, min(start + num_new, self.num_prompt_tokens - 1))
 
     @property
     def num_prompt_tokens(self) -> int:

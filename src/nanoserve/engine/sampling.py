@@ -27,12 +27,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the model's context length
+    max_tokens: int | None = 16  # None: up to the model's context length; 0: score the prompt
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives besides the chosen token
+    prompt_logprobs: int | None = None  # each prompt token's logprob, and top-N alternatives
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -55,19 +56,17 @@ class SamplingParams:
                 "in (0, 10]",
             ),
             ("seed", self.seed is None or _int(self.seed), "an integer"),
-            ("max_tokens", mt is None or (_int(mt) and mt >= 1), "an integer >= 1"),
+            ("max_tokens", mt is None or (_int(mt) and mt >= 0), "an integer >= 0"),
             (
                 "min_tokens",
-                _int(self.min_tokens) and 0 <= self.min_tokens <= (mt or self.min_tokens),
+                _int(self.min_tokens)
+                and 0 <= self.min_tokens <= (mt if mt is not None else 1 << 62),
                 "an integer >= 0 and <= max_tokens",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(_int(t) and t >= 0 for t in self.stop_token_ids), "token ids"),
-            (
-                "logprobs",
-                self.logprobs is None or _in(self.logprobs, 0, 20) and _int(self.logprobs),
-                "an integer in [0, 20]",
-            ),
+            ("logprobs", _top_n(self.logprobs), "an integer in [0, 20]"),
+            ("prompt_logprobs", _top_n(self.prompt_logprobs), "an integer in [0, 20]"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -83,6 +82,10 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0
         )
+
+
+def _top_n(x: object) -> bool:
+    return x is None or (_int(x) and 0 <= x <= 20)  # type: ignore[operator]
 
 
 def _int(x: object) -> bool:
@@ -134,8 +137,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
             noise = torch.empty_like(probs[j]).exponential_(generator=_generator(rows[i], probs))
             tokens[i] = (probs[j] / noise).argmax()
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    logprobs = _logprobs(raw[wanted], tokens[wanted], [rows[i].params for i in wanted])
-    by_row = dict(zip(wanted, logprobs, strict=True))
+    ks = [rows[i].params.logprobs or 0 for i in wanted]
+    by_row = dict(zip(wanted, token_logprobs(raw[wanted], tokens[wanted], ks), strict=True))
     return [Sample(t, by_row.get(i)) for i, t in enumerate(tokens.tolist())]
 
 
@@ -198,22 +201,23 @@ def mix_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & _MASK64
 
 
-def _logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: Sequence[int]
 ) -> list[dict[int, Logprob]]:
-    """Per row: the chosen token's logprob and rank, and the top N (of the model's own
-    distribution, before temperature, penalties and filters)."""
-    if not params:
+    """Per row of `logits` [rows, vocab]: the logprob and rank of `tokens[row]`, and the row's
+    top `top_n[row]` tokens, all of the model's own distribution (before temperature, penalties
+    and filters). Used for sampled tokens and for prompt tokens alike."""
+    if not len(top_n):
         return []
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=1) + 1
-    top_values, top_ids = logprobs.topk(max(max(p.logprobs or 0 for p in params), 1), dim=-1)
+    top_values, top_ids = logprobs.topk(max(max(top_n), 1), dim=-1)
     host = [t.tolist() for t in (tokens, chosen[:, 0], ranks, top_values, top_ids)]
     result = []
-    for i, (token, value, rank, values, ids) in enumerate(zip(*host, strict=True)):
+    for n, (token, value, rank, values, ids) in zip(top_n, zip(*host, strict=True), strict=True):
         entry = {token: Logprob(value, rank)}
-        for r in range(params[i].logprobs or 0):
+        for r in range(n):
             entry.setdefault(ids[r], Logprob(values[r], r + 1))
         result.append(entry)
     return result

@@ -38,6 +38,14 @@ class ScheduledRequest:
         """The chunk reaches the request's last token: its logits give the next one."""
         return self.start + self.num_new_tokens == self.request.num_tokens
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        return self.request.prompt_logprob_positions(self.start, self.num_new_tokens)
+
+    @property
+    def prompt_logprobs(self) -> int:
+        return self.request.params.prompt_logprobs or 0
+
 
 @dataclass
 class SchedulerStats:
@@ -102,8 +110,13 @@ class Scheduler:
         prefilling = {r.group_id for r in self.running if r.in_prefill}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            # At least one token is always computed: it yields the logits of the next one.
-            blocks, hashes = self.allocator.lookup(request.token_ids, request.num_tokens - 1)
+            # At least one token is always computed: it yields the logits of the next one. Cached
+            # blocks have no logits: a request that wants prompt logprobs computes its prompt.
+            scoring = request.prompt_logprobs is not None and (
+                len(request.prompt_logprobs) < request.num_prompt_tokens
+            )
+            lookup = 0 if scoring else request.num_tokens - 1
+            blocks, hashes = self.allocator.lookup(request.token_ids, lookup)
             num_cached = len(blocks) * self.allocator.block_size
             if request.group_id in prefilling and num_cached < self._shareable_prompt_tokens(
                 request

@@ -53,14 +53,27 @@ class Llama:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # rows whose next-token logits are needed
     ) -> torch.Tensor:
-        w = self.weights
-        h = w.embed[input_ids]  # [num_tokens, hidden], a copy
+        """Logits [len(logits_indices), vocab], float32."""
+        return self.logits(self.hidden(input_ids, positions, kv_caches, meta, logits_indices))
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final (normed) hidden states [len(rows), hidden] of the given packed rows."""
+        h = self.weights.embed[input_ids]  # [num_tokens, hidden], a copy
         if self.fast_decode is not None and self.fast_decode.applies(positions, meta):
             self.fast_decode(h, positions, kv_caches, meta, self.cos, self.sin)  # h in place
         else:
             h = self._layers(h, positions, kv_caches, meta)
-        h = rms_norm(h[logits_indices], w.norm, self.config.rms_norm_eps)
-        return w.lm_head(h).float()  # [len(logits_indices), vocab]
+        return rms_norm(h[rows], self.weights.norm, self.config.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.weights.lm_head(h).float()
 
     def _layers(
         self, h: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata

@@ -47,6 +47,9 @@ def create_app(
     app.add_url_rule("/v1/completions", view_func=api.completions, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=api.chat_completions, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=api.models, methods=["GET"])
+    app.add_url_rule("/tokenize", view_func=api.tokenize, methods=["POST"])
+    app.add_url_rule("/detokenize", view_func=api.detokenize, methods=["POST"])
+    app.add_url_rule("/tokenizer_info", view_func=api.tokenizer_info, methods=["GET"])
     app.add_url_rule("/health", view_func=api.health, methods=["GET"])
     app.add_url_rule("/metrics", view_func=api.metrics, methods=["GET"])
     for exception, handler in error_handlers(max_body_bytes).items():

@@ -62,7 +62,6 @@ class _GenerationRequest(_Strict):
     service_tier: str | None = None
     # Would change the answer and are not implemented: declared only to be refused by name.
     logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -75,7 +74,6 @@ class _GenerationRequest(_Strict):
         """The first set parameter that would change the answer and is not implemented."""
         unsupported = {
             "logit_bias": bool(self.logit_bias),
-            "prompt_logprobs": self.prompt_logprobs is not None,
             "guided_json": self.guided_json is not None,
             "guided_regex": self.guided_regex is not None,
             "guided_choice": self.guided_choice is not None,
@@ -92,7 +90,9 @@ class _GenerationRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         try:
             return SamplingParams(
                 n=self.n,
@@ -110,6 +110,7 @@ class _GenerationRequest(_Strict):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as e:  # SamplingParams names the field first: "min_tokens must be ..."
@@ -125,9 +126,10 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0, with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     best_of: int | None = None
     suffix: str | None = None
 
@@ -137,11 +139,14 @@ class CompletionRequest(_GenerationRequest):
             raise InvalidRequest("best_of is not supported (only best_of == n)", "best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported by this server", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest(
-                "echo together with logprobs is not supported (prompt logprobs are not computed)",
-                "echo",
-            )
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt position: asked for directly, or echoed with `logprobs`."""
+        echoed = self.logprobs if self.echo else None
+        if self.prompt_logprobs is None and echoed is None:
+            return None
+        return max(self.prompt_logprobs or 0, echoed or 0)
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The prompts as a list of strings or a list of token id lists."""
@@ -198,6 +203,7 @@ class ChatCompletionRequest(_GenerationRequest):
     web_search_options: Any = None
     continue_final_message: bool = False
     echo: bool = False
+    prompt_logprobs: int | None = None
 
     def refused(self) -> str | None:
         unsupported = {
@@ -212,6 +218,7 @@ class ChatCompletionRequest(_GenerationRequest):
             "web_search_options": self.web_search_options is not None,
             "continue_final_message": self.continue_final_message,
             "echo": self.echo,
+            "prompt_logprobs": self.prompt_logprobs is not None,
         }
         own = next((name for name, used in unsupported.items() if used), None)
         return super().refused() or own
@@ -233,13 +240,35 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
-def parse(model: type[_GenerationRequest], body: str | bytes) -> Any:
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give either prompt or messages", "prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
+
+
+def parse(model: type[_Strict], body: str | bytes) -> Any:
     """Validate a JSON body into `model`, then refuse what this server does not do."""
     try:
         request = model.model_validate_json(body)
     except ValidationError as e:
         raise _invalid(e) from None
-    request.check()
+    request.check()  # type: ignore[attr-defined]
     return request
 
 
@@ -284,9 +313,15 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float | None]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -295,6 +330,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM: the stop string or token id that ended it
+    # vLLM: with `prompt_logprobs`, per prompt token (None first) its logprob and alternatives
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

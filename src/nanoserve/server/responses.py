@@ -21,6 +21,7 @@ from nanoserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptLogprob,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -85,6 +86,11 @@ class ResponseFormat:
 
 
 class CompletionFormat(ResponseFormat):
+    """Legacy completions. With `echo` the prompt's text comes first (in a stream: in the first
+    chunk of each choice, which is sent once the prompt is computed, so that it can carry the
+    prompt's logprobs); with echo and `logprobs` the prompt tokens lead the logprobs (the first
+    one has none); with `prompt_logprobs` each choice carries vLLM's `prompt_logprobs` list."""
+
     def __init__(
         self,
         tokenizer: Tokenizer,
@@ -92,19 +98,23 @@ class CompletionFormat(ResponseFormat):
         model: str,
         params: SamplingParams,
         echo: list[str] | None,
+        prompt_logprobs: bool = False,
     ):
         super().__init__(tokenizer, request_id, model, params)
         self.echo = echo
+        self.prompt_logprobs = prompt_logprobs
         self.offsets: dict[int, int] = {}
+        self.opened: set[int] = set()
 
-    def opening(self, num_prompts: int) -> list[BaseModel]:
-        if self.echo is None:
-            return []
-        return [
-            self._body([CompletionChoice(index=p * self.n + i, text=self.echo[p])])
-            for p in range(num_prompts)
-            for i in range(self.n)
-        ]
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[BaseModel]:
+        openings = []
+        if self.echo is not None or self.prompt_logprobs:
+            for c in out.outputs:
+                index = prompt_index * self.n + c.index
+                if index not in self.opened:
+                    self.opened.add(index)
+                    openings.append(self._body([self._prompt_choice(index, prompt_index, out)]))
+        return openings + super().chunks(prompt_index, out)
 
     def chunk(self, index: int, c: CompletionOutput, delta: str, start: int) -> BaseModel:
         choice = CompletionChoice(
@@ -121,14 +131,16 @@ class CompletionFormat(ResponseFormat):
         for p, out in enumerate(finals):
             for c in out.outputs:
                 index = p * self.n + c.index
-                prefix = self.echo[p] if self.echo is not None else ""
+                head = self._prompt_choice(index, p, out)
+                tail = self._logprobs(index, c, 0)
                 choices.append(
                     CompletionChoice(
                         index=index,
-                        text=prefix + c.text,
-                        logprobs=self._logprobs(index, c, 0),
+                        text=head.text + c.text,
+                        logprobs=_joined(head.logprobs, tail),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=head.prompt_logprobs,
                     )
                 )
         completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -141,6 +153,46 @@ class CompletionFormat(ResponseFormat):
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
+
+    def _prompt_choice(self, index: int, prompt_index: int, out: RequestOutput) -> CompletionChoice:
+        """The prompt's part of a choice: its text and logprobs when echoed, vLLM's
+        prompt_logprobs when asked for. Sets where the completion's text offsets start."""
+        text = self.echo[prompt_index] if self.echo is not None else ""
+        self.offsets[index] = len(text)
+        logprobs = None
+        if self.echo is not None and self.num_logprobs is not None:
+            logprobs = self._prompt_logprobs(out)
+        vllm = None
+        if self.prompt_logprobs and out.prompt_logprobs is not None:
+            vllm = [None if e is None else self._vllm_entries(e) for e in out.prompt_logprobs]
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=vllm)
+
+    def _prompt_logprobs(self, out: RequestOutput) -> CompletionLogprobs:
+        ids = out.prompt_token_ids
+        entries = out.prompt_logprobs or [None] * len(ids)
+        pairs = list(zip(ids, entries, strict=True))
+        top_n = self.num_logprobs or 0
+        offsets, at = [], 0
+        for t in ids:  # special tokens (BOS) are not in the echoed text
+            offsets.append(at)
+            at += 0 if t in self.tok.all_special_ids else len(self.tok.token_text(t))
+        return CompletionLogprobs(
+            tokens=[self.tok.token_text(t) for t in ids],
+            token_logprobs=[None if e is None else e[t].logprob for t, e in pairs],
+            top_logprobs=[None if e is None else self._top(t, e, top_n) for t, e in pairs],
+            text_offset=offsets,
+        )
+
+    def _top(self, token: int, entry: dict[int, Logprob], top_n: int) -> dict[str, float]:
+        """The prompt token and the `top_n` most likely ones at its position."""
+        chosen = {k: v for k, v in entry.items() if k == token or v.rank <= top_n}
+        return {self.tok.token_text(k): v.logprob for k, v in chosen.items()}
+
+    def _vllm_entries(self, entry: dict[int, Logprob]) -> dict[int, PromptLogprob]:
+        return {
+            k: PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=self.tok.token_text(k))
+            for k, v in entry.items()
+        }
 
     def _logprobs(self, index: int, c: CompletionOutput, start: int) -> CompletionLogprobs | None:
         if c.logprobs is None:
@@ -160,6 +212,19 @@ class CompletionFormat(ResponseFormat):
             ],
             text_offset=offsets,
         )
+
+
+def _joined(
+    head: CompletionLogprobs | None, tail: CompletionLogprobs | None
+) -> CompletionLogprobs | None:
+    if head is None or tail is None:
+        return head or tail
+    return CompletionLogprobs(
+        tokens=head.tokens + tail.tokens,
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+        text_offset=head.text_offset + tail.text_offset,
+    )
 
 
 class ChatFormat(ResponseFormat):

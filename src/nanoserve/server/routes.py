@@ -29,10 +29,12 @@ from nanoserve.server.errors import ModelNotFound, error_info, error_response, t
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     InvalidRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     parse,
 )
 from nanoserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -112,10 +114,11 @@ class OpenAIServer:
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(req.max_tokens, req.logprobs, req.num_prompt_logprobs)
         fmt = CompletionFormat(
-            self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo
-        )
+            self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo,
+            prompt_logprobs=req.prompt_logprobs is not None,
+        )  # fmt: skip
         return await self._respond(fmt, req.stream, req.include_usage, token_ids, params)
 
     async def chat_completions(self) -> Response:
@@ -139,6 +142,39 @@ class OpenAIServer:
             max_model_len=self.serving.max_model_len,
         )
         return _json(ModelList(data=[card]))
+
+    async def tokenize(self) -> Response:
+        """vLLM's /tokenize (lm-eval's remote tokenizer uses it)."""
+        req: TokenizeRequest = parse(TokenizeRequest, await request.get_data(cache=False))
+        self._check_model(req.model)
+        if req.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+            )
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = await self._encode(req.prompt or "", req.add_special_tokens)
+        body = {"tokens": tokens, "count": len(tokens), "max_model_len": self.serving.max_model_len}
+        return Response(json.dumps(body), mimetype="application/json")
+
+    async def detokenize(self) -> Response:
+        req: DetokenizeRequest = parse(DetokenizeRequest, await request.get_data(cache=False))
+        self._check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary", "tokens")
+        text = self.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return Response(json.dumps({"prompt": text}), mimetype="application/json")
+
+    async def tokenizer_info(self) -> Response:
+        info = {
+            **self.tokenizer.special_tokens,
+            "chat_template": self.tokenizer.chat_template,
+            "model_max_length": self.serving.max_model_len,
+            "vocab_size": self.tokenizer.vocab_size,
+        }
+        return Response(json.dumps(info), mimetype="application/json")
 
     async def health(self) -> Response:
         health = self.serving.health()
@@ -241,10 +277,11 @@ class OpenAIServer:
             raise ModelNotFound(f"the model {model!r} does not exist (this server serves "
                                 f"{self.model_name!r})")  # fmt: skip
 
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        encode = partial(self.tokenizer.encode, text, add_special_tokens)
         if len(text) <= LONG_PROMPT_CHARS:
-            return self.tokenizer.encode(text)
-        return await trio.to_thread.run_sync(self.tokenizer.encode, text, thread_name="tokenize")
+            return encode()
+        return await trio.to_thread.run_sync(encode, thread_name="tokenize")
 
     def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
         kwargs = {
