@@ -1,9 +1,11 @@
 """Builds the C kernels (kernels/csrc: paged attention, small-M linear, RMSNorm, RoPE, the fused
-decode step; module.c holds the method table) as nanoserve.kernels._C at install time. The install
+decode step, matmuls on GGUF block weights; module.c holds the method table) as nanoserve.kernels._C at install time. The install
 fails if they do not build.
 
 -march=native tunes the kernels for the building machine (right for `pip install -e .`); set
-NANOSERVE_MARCH (e.g. x86-64-v3) to build a module that runs on other machines.
+NANOSERVE_MARCH (e.g. x86-64-v3) to build a module that runs on other machines. The quantized
+matmul's AVX2 and AVX-512 paths are built whatever the -march (target attributes) and chosen at run
+time from what the CPU reports (NANOSERVE_ISA caps the choice).
 """
 
 import os
@@ -32,9 +34,18 @@ setup(
                 "kernels/csrc/linear.c",
                 "kernels/csrc/norm_rope.c",
                 "kernels/csrc/decode_step.c",
+                "kernels/csrc/quant.c",
+                "kernels/csrc/quant_format.c",
+                "kernels/csrc/quant_portable.c",
+                "kernels/csrc/quant_avx2.c",
+                "kernels/csrc/quant_avx512.c",
                 "kernels/csrc/module.c",
             ],
-            depends=["kernels/csrc/nanoserve.h"],
+            depends=[
+                "kernels/csrc/nanoserve.h",
+                "kernels/csrc/quant.h",
+                "kernels/csrc/quant_avx512.inc",
+            ],
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.
             extra_compile_args=[
                 "-O3",

@@ -36,6 +36,24 @@ static PyMethodDef methods[] = {
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
      "head_dim, intermediate, eps, scale, dtype_code, num_threads): a decode step of up to "
      "GEMV_ROWS rows through every layer, h updated in place; pointers as ints."},
+    {"quant_linear", KW_FUNCTION(nanoserve_py_quant_linear), METH_VARARGS | METH_KEYWORDS,
+     "quant_linear(out, x, w, M, N, K, qtype, num_threads): out [M, N] float32 = x [M, K] "
+     "float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (2 Q4_0, 3 "
+     "Q4_1, 8 Q8_0); pointers as ints."},
+    {"quantize", KW_FUNCTION(nanoserve_py_quantize), METH_VARARGS | METH_KEYWORDS,
+     "quantize(out, w, N, K, qtype, num_threads): w [N, K] float32 into N rows of GGUF blocks, "
+     "the bytes of gguf.quants.quantize."},
+    {"dequantize", KW_FUNCTION(nanoserve_py_dequantize), METH_VARARGS | METH_KEYWORDS,
+     "dequantize(out, w, rows, num_rows, N, K, qtype, num_threads): out [num_rows, K] float32 = "
+     "rows `rows` (int64 pointer; 0 for all N in order) of the block matrix w."},
+    {"set_quant_isa", KW_FUNCTION(nanoserve_py_set_quant_isa), METH_VARARGS | METH_KEYWORDS,
+     "set_quant_isa(isa, vnni=True): the quantized kernels' path, 'portable', 'avx2' or "
+     "'avx512', capped to what the CPU runs; returns (path, vnni) now in use. Not for use while "
+     "a kernel runs."},
+    {"quant_isa", nanoserve_py_quant_isa, METH_NOARGS,
+     "(path, vnni) the quantized kernels use now."},
+    {"cpu_quant_isa", nanoserve_py_cpu_quant_isa, METH_NOARGS,
+     "(path, vnni): the best the CPU runs, whatever NANOSERVE_ISA says."},
     {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS,
      "omp_get_max_threads() of the OpenMP runtime this module is bound to."},
     {NULL, NULL, 0, NULL},
@@ -44,8 +62,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_C",
-    "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE and the one-call decode "
-    "step; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and decode_layers take.",
+    "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE, the one-call decode step and "
+    "matmuls on GGUF block weights; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and decode_layers take.",
     -1,
     methods,
     NULL,
@@ -57,5 +75,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__C(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "GEMV_ROWS", NS_GEMV_ROWS) < 0) Py_CLEAR(m);
+    if (m && nanoserve_quant_init() < 0) Py_CLEAR(m);
     return m;
 }

@@ -155,6 +155,14 @@ static inline void ns_store_kv_token(const kv_cache *c, const char *key, const c
 int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssize_t N,
                    Py_ssize_t K, int dtype, int num_threads);
 
+/* quant.c: out [M, N] float32 = x [M, K] float32 times the transpose of w [N, K], a matrix of
+ * GGUF blocks of GGML type qtype (NS_Q*); K a multiple of 32. Each out[m, n] depends on row m of x
+ * and row n of w only (bitwise, whatever M, the other rows or the thread count). 0, or -1 when out
+ * of memory. */
+enum ns_qtype { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };
+int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
+                           Py_ssize_t K, int qtype, int num_threads);
+
 /* norm_rope.c */
 void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
                              Py_ssize_t hidden, float eps, int dtype, int num_threads);
@@ -169,5 +177,14 @@ PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kw
 PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rope(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_quantize(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_dequantize(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_set_quant_isa(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_quant_isa(PyObject *self, PyObject *unused);
+PyObject *nanoserve_py_cpu_quant_isa(PyObject *self, PyObject *unused);
+/* Picks the quantized kernels' path at module load (the CPU's best, capped by NANOSERVE_ISA); 0,
+ * or -1 with a ValueError set for an unknown NANOSERVE_ISA. */
+int nanoserve_quant_init(void);
 
 #endif

@@ -1,0 +1,103 @@
+/* The quantized matmul's internals, shared by quant.c (formats, quantize and dequantize, the
+ * activations' quantization, the ISA choice, the threaded driver, the Python entry points) and the
+ * kernels of each instruction set (quant_portable.c, quant_avx2.c, quant_avx512.c).
+ *
+ * Weights stay in llama.cpp's GGUF block formats, byte for byte: rows of blocks of 32 values along
+ * K. Q8_0: fp16 d, 32 int8 q; value = q d. Q4_0: fp16 d, 16 bytes; value = (q - 8) d. Q4_1: fp16
+ * d, fp16 m, 16 bytes; value = q d + m. In a 4-bit block byte j holds value j in its low nibble and
+ * value j + 16 in its high one.
+ *
+ * out = x @ W^T runs on int8 activations, as llama.cpp does: each row of x is quantized per block
+ * of 32 (dx = max|x| / 127, int8 q = round(x / dx)), the kernels take exact integer dot products of
+ * a weight block and an activation block in int32 lanes (each lane the sum of 8 products), and
+ * scale them in float: out = sum over blocks of (d dx) * dot (+ m dx sum(q) for Q4_1). The integer
+ * part is exact, so the paths differ only in how they add the scaled lanes.
+ */
+#ifndef NANOSERVE_QUANT_H
+#define NANOSERVE_QUANT_H
+
+#include "nanoserve.h"
+
+enum { QK = 32 }; /* values per block, along K */
+
+/* Block sizes in bytes. */
+enum { Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20 };
+
+/* The paths, in order of preference; kernels.cpu_isa() names them. */
+enum ns_isa { NS_ISA_PORTABLE = 0, NS_ISA_AVX2 = 1, NS_ISA_AVX512 = 2 };
+
+/* Bytes of one block of the format with GGML type id qtype (NS_Q*), or 0 for no format. */
+static inline size_t ns_block_bytes(int qtype) {
+    switch (qtype) {
+    case NS_Q8_0: return Q8_0_BYTES;
+    case NS_Q4_0: return Q4_0_BYTES;
+    case NS_Q4_1: return Q4_1_BYTES;
+    default: return 0;
+    }
+}
+
+/* How a path wants the activations: `group` blocks go through the kernel at a time (the row's
+ * blocks are padded with zero blocks to a whole number of groups); `lanes` int32 lanes per block;
+ * `split`: each group's int8 values are laid out as the low halves (values 0-15) of its blocks,
+ * then their high halves (values 16-31), which is where the nibbles of 4-bit weights land, instead
+ * of in order; lane i of a block then covers values 4i..4i+3 and 16+4i..16+4i+3 (split, 4 lanes)
+ * or 4i..4i+3 (in order, 8 lanes) or all 32 (1 lane). `corr`: the factor of corr below. */
+typedef struct {
+    int group, lanes, split, corr;
+} ns_xq_layout;
+
+/* Rows of activations quantized for one layout. Per row: q, int8 [blocks * 32]; per row and lane:
+ * dx (the block's scale), corr (-corr times the lane's sum of q: Q4_0's zero point 8, Q8_0's +128
+ * offset under VNNI, added to the integer dot) and sx (dx times the lane's sum of q: Q4_1's min
+ * times it is the min's share of the dot). `blocks` counts the padding. */
+typedef struct {
+    int8_t *q;
+    float *dx, *sx;
+    int32_t *corr;
+    Py_ssize_t blocks, q_stride, lane_stride; /* elements between rows */
+} ns_xq;
+
+/* One matmul for the kernels: out [M, N] float32 = x W^T with W [N, K] of qtype, row_bytes per
+ * row of blocks, and x quantized as the path asked. */
+typedef struct {
+    float *out;
+    const char *w;
+    const ns_xq *x;
+    Py_ssize_t M, N, K;
+    size_t row_bytes;
+    int qtype;
+} ns_qmm;
+
+/* Each path: its activation layout for a format, and out[:, n0:n1]. */
+ns_xq_layout ns_layout_portable(int qtype);
+void ns_qmm_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
+#if defined(__x86_64__) || defined(__i386__)
+ns_xq_layout ns_layout_avx2(int qtype);
+void ns_qmm_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
+ns_xq_layout ns_layout_avx512(int qtype, int vnni);
+void ns_qmm_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
+void ns_qmm_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
+#endif
+
+/* The 16 bits of a block's fp16 at p (unaligned), as float32. */
+static inline float ns_f16_at(const char *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return ns_f16_to_f32(h);
+}
+
+/* f as computed, never fused with a following add: gguf's numpy reference rounds x * id before it
+ * adds 8.5 (or 0.5, or m), and -ffp-contract=fast would otherwise make that one FMA. */
+static inline float ns_unfused(float f) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __asm__("" : "+x"(f));
+#elif defined(__GNUC__) && defined(__aarch64__)
+    __asm__("" : "+w"(f));
+#else
+    volatile float v = f;
+    f = v;
+#endif
+    return f;
+}
+
+#endif
