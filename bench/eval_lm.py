@@ -71,18 +71,16 @@ def _task(name: str, data: Path) -> str:
     )
 
 
-def serve(model: Path) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "nanoserve.cli", "serve", str(model), "--port", "0",
-               "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    log = ""
-    while "ready: " not in log:
-        line = proc.stderr.readline()
-        if not line:
-            raise RuntimeError(f"nanoserve serve did not start: {log}")
-        log += line
-    return proc, re.search(r"ready: (\S+)", log).group(1)  # type: ignore[union-attr]
+def serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`nanoserve serve MODEL` on a free port, its log in a file (read here, never a full pipe)."""
+    command = [sys.executable, "-m", "nanoserve.cli", "serve", str(model), "--port", "0"]
+    proc = subprocess.Popen(command, stderr=log.open("w"))
+    deadline = time.monotonic() + 120
+    while not (ready := re.search(r"ready: (\S+)", log.read_text())):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"nanoserve serve did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc, ready.group(1)
 
 
 def evaluate(model_name: str, model_args: str, tasks: list[str], folder: Path, limit) -> dict:
@@ -108,7 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         tasks = write_tasks(folder)
-        proc, url = serve(model)
+        proc, url = serve(model, folder / "serve.log")
         try:
             ours = evaluate("local-completions", f"model={model},base_url={url}/v1/completions,"
                             "tokenizer_backend=remote,tokenized_requests=True,max_retries=1",
