@@ -89,6 +89,6 @@ def eval(session: nox.Session) -> None:
     """lm-evaluation-harness against `nanoserve serve` and against its own hf backend, on the
     default model (not in CI: lm-eval brings datasets, evaluate, scikit-learn...)."""
     session.install(TORCH)
-    session.install("-e", ".[test]", "lm-eval>=0.4.8")
+    session.install("-e", ".[test]", "lm-eval[api]>=0.4.8")
     session.install(*DEFAULT_MODEL)
     session.run("python", "-m", "bench.eval_lm", *session.posargs)
