@@ -27,6 +27,22 @@ def write_gguf(
     are of `qtype` (norms stay float32)."""
     cfg = ModelConfig.from_dir(model_dir)
     w = gguf.GGUFWriter(str(out), architecture)
+    _add_hyperparameters(w, cfg)
+    _add_tokenizer(w, model_dir, cfg.vocab_size)
+    for name, t in _tensors(read_checkpoint(model_dir, torch.float32), cfg).items():
+        values = t.contiguous().numpy()
+        if values.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(f"{name}.weight", gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(f"{name}.weight", values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_hyperparameters(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_layers)
@@ -40,9 +56,23 @@ def write_gguf(
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_tokenizer(w, model_dir, cfg.vocab_size)
 
-    hf = read_checkpoint(model_dir, torch.float32)
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _tensors(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors under llama.cpp's names (without ".weight"), Q and K rows permuted."""
     tensors = {
         "token_embd": hf.pop("model.embed_tokens.weight"),
         "output_norm": hf.pop("model.norm.weight"),
@@ -51,19 +81,8 @@ def write_gguf(
         tensors["output"] = hf.pop("lm_head.weight")
     if cfg.rope.rope_type == "llama3":
         tensors["rope_freqs"] = _llama3_rope_factors(cfg)
-    names = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "post_attention_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
     for i in range(cfg.num_layers):
-        for hf_name, name in names.items():
+        for hf_name, name in LAYER_NAMES.items():
             t = hf.pop(f"model.layers.{i}.{hf_name}.weight")
             if name == "attn_q":
                 t = _interleave_rope_rows(t, cfg.num_heads)
@@ -72,17 +91,7 @@ def write_gguf(
             tensors[f"blk.{i}.{name}"] = t
     if hf:
         raise ValueError(f"tensors left unconverted: {sorted(hf)}")
-    for name, t in tensors.items():
-        values = t.contiguous().numpy()
-        if values.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(f"{name}.weight", gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(f"{name}.weight", values)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return tensors
 
 
 def _interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
