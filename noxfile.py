@@ -53,10 +53,12 @@ def bench(session: nox.Session) -> None:
     """Kernel, engine and serving benchmarks; results and plots land in bench/results/."""
     session.install(TORCH)
     session.install("-e", ".[bench]")  # compiles llama-cpp-python the first time (minutes)
+    session.install(*DEFAULT_MODEL)
     session.run("python", "-m", "bench.bench_kernels", *session.posargs)
     session.run("python", "-m", "bench.bench_engine")
     session.run("python", "-m", "bench.bench_engine", "--dtype", "bfloat16", "--skip-serial")
     session.run("python", "-m", "bench.plot")  # bench_engine.py writes JSON only
+    session.run("python", "-m", "bench.bench_gguf")  # SmolLM2's GGUF, llama.cpp on the same file
     session.run("python", "-m", "bench.bench_serving")
     # Long prompts among short ones: inter-token latency with and without chunked prefill.
     mix = ["--rate", "4", "--concurrency", "--requests", "32", "--prompt-len", "16", "1800",
