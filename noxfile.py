@@ -82,3 +82,13 @@ def install_check(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(".")
     session.run("python", "tests/install_check.py")
+
+
+@nox.session
+def eval(session: nox.Session) -> None:
+    """lm-evaluation-harness against `nanoserve serve` and against its own hf backend, on the
+    default model (not in CI: lm-eval brings datasets, evaluate, scikit-learn...)."""
+    session.install(TORCH)
+    session.install("-e", ".[test]", "lm-eval>=0.4.8")
+    session.install(*DEFAULT_MODEL)
+    session.run("python", "-m", "bench.eval_lm", *session.posargs)

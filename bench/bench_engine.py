@@ -59,11 +59,20 @@ def _sync(device: str) -> None:
 
 
 @torch.inference_mode()
-def run_transformers(model_dir: Path, requests, dtype: str, device: str, batch_size: int) -> float:
+def run_transformers(
+    model_dir: Path,
+    requests,
+    dtype: str,
+    device: str,
+    batch_size: int,
+    gguf_file: str | None = None,
+) -> float:
+    """Seconds transformers takes for `requests` in static batches of `batch_size` (left padded),
+    from a checkpoint directory or a GGUF file in it (de-quantized by transformers)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype)
+        model_dir, dtype=getattr(torch, dtype), gguf_file=gguf_file
     )
     model.to(device).eval()
     start = time.perf_counter()

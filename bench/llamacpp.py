@@ -32,13 +32,14 @@ Request = tuple[list[int], int]  # prompt token ids, output tokens wanted
 
 
 def generate(
-    model_dir: Path,
+    model: Path,
     requests: list[Request],
     threads: int = 2,
     max_seqs: int = 64,
     exact: bool = True,
 ) -> tuple[float, list[list[int]]]:
     """Greedy outputs of all requests through llama.cpp: (seconds of the decode loop, token ids).
+    `model`: a GGUF file, or a Hugging Face checkpoint directory (converted to an f32 GGUF).
 
     `exact`: an f32 KV cache and no flash attention, so logits match an f32 reference to ~1e-3 (on
     the 25m model; greedy tokens then agree with nanoserve's). Otherwise llama.cpp's defaults, an
@@ -46,10 +47,10 @@ def generate(
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load chatter
     lc.llama_backend_init()
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_gguf(model_dir, Path(tmp) / "model.gguf")
-        model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load the GGUF of {model_dir}")
+        path = model if model.suffix == ".gguf" else write_gguf(model, Path(tmp) / "model.gguf")
+        loaded = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+    if not loaded:
+        raise RuntimeError(f"llama.cpp could not load {model}")
     slots = min(len(requests), max_seqs)
     longest = max(len(p) + n for p, n in requests)
     params = lc.llama_context_default_params()
@@ -60,10 +61,10 @@ def generate(
     if exact:
         params.type_k = params.type_v = lc.GGML_TYPE_F32
         params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    ctx = lc.llama_init_from_model(model, params)
+    ctx = lc.llama_init_from_model(loaded, params)
     batch = lc.llama_batch_init(params.n_batch, 0, 1)
     try:
-        vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+        vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(loaded))
         prompt = requests[0][0][: params.n_batch]
         _decode(ctx, batch, vocab, [(prompt, 0, 0)])  # warm-up: a prefill and a decode step,
         _decode(ctx, batch, vocab, [(prompt[:1], len(prompt), 0)])
@@ -74,7 +75,7 @@ def generate(
     finally:
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)
-        lc.llama_model_free(model)
+        lc.llama_model_free(loaded)
 
 
 def run_llamacpp(

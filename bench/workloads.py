@@ -28,13 +28,19 @@ SHAPES = {
 MODEL = SHAPES["25m"]
 
 
-def workload(count: int = 64, seed: int = 0, vocab: int = 4096) -> list[tuple[list[int], int]]:
-    """Prompts of 16-256 tokens and outputs of 16-128 tokens, drawn uniformly."""
+def workload(
+    count: int = 64,
+    seed: int = 0,
+    vocab: int = 4096,
+    prompts: tuple[int, int] = (16, 256),
+    outputs: tuple[int, int] = (16, 128),
+) -> list[tuple[list[int], int]]:
+    """Prompt and output lengths drawn uniformly from the given ranges (inclusive)."""
     g = torch.Generator().manual_seed(seed)
     requests = []
     for _ in range(count):
-        prompt_len = int(torch.randint(16, 257, (1,), generator=g))
-        output_len = int(torch.randint(16, 129, (1,), generator=g))
+        prompt_len = int(torch.randint(prompts[0], prompts[1] + 1, (1,), generator=g))
+        output_len = int(torch.randint(outputs[0], outputs[1] + 1, (1,), generator=g))
         requests.append((torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), output_len))
     return requests
 

@@ -132,7 +132,7 @@ def test_logprobs_report_chosen_and_top_n(llm, tiny_model_dir):
         ("frequency_penalty", float("inf")),
         ("repetition_penalty", 0.0),
         ("seed", 1.5),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("min_tokens", -1),
         ("stop", [""]),
         ("stop_token_ids", [-3]),

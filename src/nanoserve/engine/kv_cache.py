@@ -41,10 +41,12 @@ def allocate_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, keys and values shaped [num_blocks, num_kv_heads, block_size, head_dim]."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    # Not zeroed: a slot is read only after its token was stored, and on a CPU the pages of a
+    # pool nobody has filled yet stay out of resident memory.
     return [
         (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
+            torch.empty(shape, dtype=dtype, device=device),
+            torch.empty(shape, dtype=dtype, device=device),
         )
         for _ in range(num_layers)
     ]
