@@ -278,13 +278,8 @@ class Engine:
     ) -> tuple[torch.Tensor, dict[int, list[dict[int, Logprob]]]]:
         if self._tp is None:
             return self.runner.forward(batch)
-        try:
+        with self._tp.stepping():
             return self.runner.forward(batch)
-        except Exception as e:  # the ranks are out of step for good: name the cause
-            failure = self._tp.failure(e)
-            if failure is e:
-                raise
-            raise failure from e
 
     def _sample_row(self, request: Request) -> SampleRow:
         p = request.params

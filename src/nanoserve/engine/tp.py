@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -169,7 +170,7 @@ class TensorParallel:
             parallel = model_group(workers.channel, device)
         except BaseException as e:
             failure = _failure(workers, e)  # before the workers are stopped
-            workers.broken = f"start-up failed: {e}"
+            workers.broken = f"start-up failed: {_describe(e)}"
             _shutdown(workers)
             if failure is e:
                 raise
@@ -196,11 +197,26 @@ class TensorParallel:
         assert self._workers.channel is not None
         self._workers.channel.send(STEP, to_message(inputs))
 
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around rank 0's part of a step. A failure inside leaves the ranks out of step for
+        good, and is named (`failure`). In the main thread a first Ctrl-C waits for the step's
+        end, which the workers reach too (a chat stops an answer and goes on); a second one
+        interrupts at once."""
+        with _sigint_after_the_step():
+            try:
+                yield
+            except BaseException as e:
+                failure = self.failure(e)
+                if failure is e:
+                    raise
+                raise failure from e
+
     def failure(self, error: BaseException) -> BaseException:
         """What a step that raised means: the group is out of step for good; a dead worker (or a
         collective's error or timeout) is named as the cause."""
         if self._workers.broken is None:
-            self._workers.broken = f"a step failed: {type(error).__name__}: {error}"
+            self._workers.broken = f"a step failed: {_describe(error)}"
         return _failure(self._workers, error)
 
     def cache_blocks(self, own: int) -> list[int]:
@@ -213,6 +229,32 @@ class TensorParallel:
 
     def close(self) -> None:
         self._finalizer()
+
+
+@contextlib.contextmanager
+def _sigint_after_the_step() -> Iterator[None]:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        # Signals reach the main thread only (the server's steps run in a thread of their own),
+        # and a handler other than Python's KeyboardInterrupt is its owner's business.
+        yield
+        return
+    pending: list[int] = []
+
+    def defer(signum: int, frame: Any) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, defer)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def _check_devices(device: torch.device, size: int, method: str) -> None:
@@ -278,6 +320,8 @@ def _dead(processes: list[Any]) -> str | None:
 def _failure(workers: _Workers, error: BaseException) -> BaseException:
     """A dead worker named (its exit may trail the broken connection by a moment), else a
     collective's error as WorkerFailed, else `error` itself."""
+    if isinstance(error, WorkerFailed):
+        return error
     alive = [p.sentinel for p in workers.processes if p.exitcode is None]
     if alive:
         multiprocessing.connection.wait(alive, timeout=1.0)
@@ -288,6 +332,10 @@ def _failure(workers: _Workers, error: BaseException) -> BaseException:
     if isinstance(error, RuntimeError | dist.DistError):
         return WorkerFailed(f"a tensor-parallel collective failed: {error}")
     return error
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _gather_blocks(channel: Channel, own: int, parallel: Parallel) -> list[int]:
@@ -303,7 +351,8 @@ def _shutdown(workers: _Workers) -> None:
     if workers.closed:
         return
     workers.closed = True
-    if workers.channel is not None and workers.broken is None and _dead(workers.processes) is None:
+    broken, workers.broken = workers.broken, workers.broken or "the engine was closed"
+    if workers.channel is not None and broken is None and _dead(workers.processes) is None:
         with contextlib.suppress(Exception):  # a worker that did not get it is killed below
             workers.channel.send(STOP)
     deadline = time.monotonic() + JOIN_S
