@@ -7,6 +7,9 @@ or idle) and stopping its worker on SIGTERM. The engines are spawned once per mo
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,25 @@ class TestTwoRanksAgreeWithOne:
         alone = tp1.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
         assert ours.outputs[0].token_ids == alone.outputs[0].token_ids
 
+    def test_a_first_ctrl_c_waits_for_the_end_of_the_step(self, tp1, tp2, monkeypatch):
+        """SIGINT arrives while rank 0 is in a step (here: once the workers have the step's
+        inputs, before rank 0 runs its part): the forward pass runs to its end on both ranks,
+        then KeyboardInterrupt; the ranks stay in step."""
+        engine, send = tp2.engine, tp2.engine.runner.send
+
+        def send_then_interrupt(inputs):
+            send(inputs)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        monkeypatch.setattr(engine.runner, "send", send_then_interrupt)
+        engine.add_request("interrupted", list(range(1, 40)), GREEDY)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        engine.abort("interrupted")
+        monkeypatch.setattr(engine.runner, "send", send)
+        prompts = _prompts(500)[:2]
+        assert _run(tp2, prompts, GREEDY)[0] == _run(tp1, prompts, GREEDY)[0]
+
     def test_prompt_logprobs_equal_one_process(self, tp1, tp2):
         """A 70-token prompt scored in chunks of the 32-token budget; the logits of the scored rows
         are gathered from both ranks. Partial sums added in another order: within test_scoring's
@@ -94,6 +116,39 @@ class TestTwoRanksAgreeWithOne:
                 assert lp.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
                 assert lp.rank == theirs[token].rank
         tp2.engine.audit()
+
+
+def test_a_rank_started_by_hand_meets_rank_0_at_env_variables(tiny_model_dir, monkeypatch):
+    """`nanoserve worker` with MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (as on another
+    machine): it takes rank 0's settings, answers as a spawned worker does, and exits with 0
+    when rank 0 closes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    command = [sys.executable, "-m", "nanoserve.cli", "worker", str(tiny_model_dir)]
+    worker = subprocess.Popen(
+        command, env={**os.environ, **env, "RANK": "1", "OMP_NUM_THREADS": "1"}, text=True,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        for name, value in {**env, "RANK": "0"}.items():
+            monkeypatch.setenv(name, value)
+        prompts = [{"prompt_token_ids": p} for p in _prompts(500)[:3]]
+        with LLM(str(tiny_model_dir), tensor_parallel_size=2, num_kv_blocks=64) as llm:
+            assert llm.engine.worker_pids == [] and llm.engine.cache_blocks() == [64, 64]
+            ours = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert worker.wait(timeout=WAIT_S) == 0, worker.stderr.read()
+    finally:
+        worker.kill()
+    alone = LLM(str(tiny_model_dir)).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in alone]
+    bare = {k: v for k, v in os.environ.items() if k not in (*env, "RANK")}
+    missing = subprocess.run(command, env=bare, capture_output=True, text=True, timeout=WAIT_S)
+    assert missing.returncode == 2
+    assert missing.stderr == (
+        "nanoserve: a worker needs MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK in its environment\n"
+    )
 
 
 def test_a_gguf_file_split_two_ways_gives_the_same_tokens(tiny_model_factory, tmp_path):
