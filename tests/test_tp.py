@@ -165,6 +165,17 @@ def test_a_gguf_file_split_two_ways_gives_the_same_tokens(tiny_model_factory, tm
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in alone]
 
 
+def test_bfloat16_close_to_transformers(tiny_model_dir):
+    """As in one process (test_oracle): bf16 rounding makes long runs a coin toss, and each
+    rank's partial products are rounded before they are summed; the first tokens agree."""
+    prompts = _prompts(500)[:3]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(tiny_model_dir), dtype="bfloat16", tensor_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    reference = _reference(tiny_model_dir, prompts, max_tokens=4, dtype=torch.bfloat16)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
 def test_threads_are_shared_and_given_back(tiny_model_dir):
     threads = torch.get_num_threads()
     with LLM(str(tiny_model_dir), tensor_parallel_size=2) as llm:
