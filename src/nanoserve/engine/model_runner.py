@@ -2,12 +2,14 @@
 CUDA graphs of decode steps. Chooses where the weights live (CPU: one huge-page mapping) and the
 fast path (CPU: the one-call C decode step), packs each scheduled batch into tensors (engine/
 inputs.py) and returns the logits of the rows that sample. On CUDA the pool is sized from free
-memory after a warm-up forward through the same path.
+memory after a warm-up forward through the same path. Under tensor parallelism every rank has a
+runner holding its slices and its heads' cache; rank 0's sends each step's inputs to the others
+(`send`) before running it, the others `execute` what they receive (engine/tp.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,41 +23,67 @@ from nanoserve.model import hugepages
 from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.model.cpu_step import CpuDecodeStep
 from nanoserve.model.llama import KVCaches, Llama
-from nanoserve.model.loader import load_weights
+from nanoserve.model.loader import LlamaWeights, load_weights
+from nanoserve.model.parallel import SINGLE, Parallel
 
 TokenLogprobs = dict[int, Logprob]
 SCORING_ROWS = 256  # prompt positions scored at a time (each makes a row of vocabulary logits)
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        config: EngineConfig,
+        parallel: Parallel = SINGLE,
+        device: torch.device | None = None,
+    ):
+        """`parallel`: this process's rank in a tensor-parallel group, whose every rank builds its
+        runner at the same time (the pool size is agreed on by a collective); `device`: this
+        rank's (default: config.device)."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.parallel = parallel
+        self.device = device or torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
         mc = checkpoint.config
-        self._baseline = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
+        on_cuda = self.device.type == "cuda"
+        self._baseline = torch.cuda.memory_allocated(self.device) if on_cuda else 0
         positions = config.max_model_len or mc.max_position_embeddings
-        on_cpu = self.device.type == "cpu"
-        raw = checkpoint.read_tensors(config.torch_dtype, self.device)
-        weights = load_weights(raw, mc, hugepages.pack if on_cpu else None)
-        self.model = Llama(mc, weights, positions)
-        if on_cpu and CpuDecodeStep.supported(weights.layers):
-            self.model.fast_decode = CpuDecodeStep(weights.layers, mc)
+        self.model = Llama(mc, self._load(checkpoint), positions, parallel)
+        layers = self.model.weights.layers
+        # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.
+        if not on_cuda and parallel.size == 1 and CpuDecodeStep.supported(layers):
+            self.model.fast_decode = CpuDecodeStep(layers, mc)
         self.block_bytes = block_bytes(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.torch_dtype
-        )
-        self.num_blocks = config.num_kv_blocks or self._pool_size()
+            mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size,
+            config.torch_dtype,
+        )  # fmt: skip
+        self.num_blocks = parallel.min(config.num_kv_blocks or self._pool_size(), self.device)
         self.kv_caches = self._cache(self.num_blocks)
         self.max_model_len = config.max_model_len or min(
             positions, self.num_blocks * config.block_size
         )
-        # On CUDA every decode step takes the padded path, replayed from graphs when captured.
+        # Rank 0 sends each step's inputs to the other ranks (engine/tp.py) when this is set.
+        self.send: Callable[[StepInputs], None] | None = None
+        # On CUDA every decode step takes the padded path, replayed from graphs when captured;
+        # not under tensor parallelism (a graph would have to capture the collectives on every
+        # rank at once), where each step runs eagerly.
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":
+        if on_cuda and parallel.size == 1:
             self.graphs = DecodeGraphs(self._forward, config, self.max_model_len, self.device)
             if config.cuda_graphs:
                 self.graphs.capture()
+
+    def _load(self, checkpoint: Checkpoint) -> LlamaWeights:
+        """This rank's weights on its device. Under tensor parallelism the checkpoint is read into
+        host memory and cut there, so that a device holds only its slices."""
+        whole = self.parallel.size == 1
+        raw = checkpoint.read_tensors(self.config.torch_dtype, self.device if whole else "cpu")
+        place = _to(self.device) if not whole else None
+        if self.device.type == "cpu":
+            place = hugepages.pack
+        return load_weights(raw, checkpoint.config, place, self.parallel)
 
     @torch.inference_mode()
     def forward(
@@ -66,6 +94,14 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch), {}
         inputs = self._pack(batch)
+        if self.send is not None:
+            self.send(inputs)
+        return self.execute(inputs)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, dict[int, list[TokenLogprobs]]]:
+        """One forward pass of packed inputs: what every rank of a tensor-parallel group runs.
+        Only rank 0's results mean anything (whole logits, prompt logprobs)."""
         if inputs.scoring is None:
             return self._forward(inputs), {}
         rows = torch.cat([inputs.logits_rows, inputs.scoring.rows])
@@ -75,18 +111,25 @@ class ModelRunner:
 
     def _score(self, h: torch.Tensor, scoring: PromptScoring) -> dict[int, list[TokenLogprobs]]:
         """Prompt logprobs, made from SCORING_ROWS rows of vocabulary-wide logits at a time so
-        that a long prompt never holds [prompt length, vocab] floats at once."""
+        that a long prompt never holds [prompt length, vocab] floats at once. Ranks other than 0
+        take part in each chunk's logits and keep nothing (they have no targets)."""
         targets = [t for _, _, chunk_targets, _ in scoring.chunks for t in chunk_targets]
         top_n = [n for _, _, chunk_targets, n in scoring.chunks for _ in chunk_targets]
         entries: list[TokenLogprobs] = []
-        for a in range(0, len(targets), SCORING_ROWS):
-            tokens = torch.tensor(targets[a : a + SCORING_ROWS], device=h.device)
+        for a in range(0, h.shape[0], SCORING_ROWS):
             logits = self.model.logits(h[a : a + SCORING_ROWS])
-            entries += token_logprobs(logits, tokens, top_n[a : a + SCORING_ROWS])
+            if self.parallel.first:
+                tokens = torch.tensor(targets[a : a + SCORING_ROWS], device=h.device)
+                entries += token_logprobs(logits, tokens, top_n[a : a + SCORING_ROWS])
         return {
             index: entries[first : first + len(chunk_targets)]
             for index, first, chunk_targets, _ in scoring.chunks
         }
+
+    def cache_blocks(self) -> int:
+        """Blocks in this rank's KV cache (-1 if its layers' tensors disagree)."""
+        counts = {t.shape[0] for pair in self.kv_caches for t in pair}
+        return counts.pop() if len(counts) == 1 else -1
 
     def _pack(self, batch: Sequence[Chunk]) -> StepInputs:
         return pack(batch, self.config.block_size, self.device, self.config.attention_backend)
@@ -103,13 +146,16 @@ class ModelRunner:
     def _cache(self, num_blocks: int) -> KVCaches:
         mc, c = self.model.config, self.config
         return allocate_cache(
-            mc.num_layers, num_blocks, mc.num_kv_heads, c.block_size, mc.head_dim,
+            mc.num_layers, num_blocks, self.model.num_kv_heads, c.block_size, mc.head_dim,
             c.torch_dtype, self.device,
         )  # fmt: skip
 
     def _pool_size(self) -> int:
         if self.device.type != "cuda":
-            return int(self.config.kv_cache_memory_gb * 2**30 // self.block_bytes)
+            # kv_cache_memory_gb is the whole cache's, all ranks' (one host's memory): the same
+            # pool as one process, each rank holding its heads' share of every block.
+            whole_block = self.block_bytes * self.parallel.size
+            return int(self.config.kv_cache_memory_gb * 2**30 // whole_block)
         return self._profile_cuda()
 
     @torch.inference_mode()
@@ -138,6 +184,14 @@ class ModelRunner:
                 f"{self.config.gpu_memory_utilization})"
             )
         return int(budget // self.block_bytes)
+
+
+def _to(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    def place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        copies = {id(t): t.to(device) for t in tensors}  # a tied matrix stays one copy
+        return [copies[id(t)] for t in tensors]
+
+    return place
 
 
 @dataclass

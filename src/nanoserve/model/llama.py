@@ -2,7 +2,8 @@
 tokens of many sequences and the paged KV cache, as straight-line tensor code. Weights come fused
 and packed from the loader; RMSNorm and RoPE are nanoserve.kernels calls (one C call each on the
 CPU). A fast path for small decode steps (the CPU's one-call C step) may be attached by the
-runner: the forward pass takes it whenever it applies.
+runner: the forward pass takes it whenever it applies. Under tensor parallelism each rank runs its
+own heads and vocabulary slice, with the collectives of model/parallel.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from nanoserve.kernels import rms_norm, rope_
 from nanoserve.model.attention import AttentionMetadata, attention
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.loader import LlamaWeights
+from nanoserve.model.parallel import SINGLE, Parallel
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,9 +38,19 @@ class DecodeFastPath(Protocol):
 
 
 class Llama:
-    def __init__(self, config: ModelConfig, weights: LlamaWeights, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: LlamaWeights,
+        max_positions: int,
+        parallel: Parallel = SINGLE,
+    ) -> None:
+        """`weights`: this rank's slices (model/parallel.py) when `parallel.size` > 1."""
         self.config = config
         self.weights = weights
+        self.parallel = parallel
+        self.num_heads = config.num_heads // parallel.size  # this rank's
+        self.num_kv_heads = config.num_kv_heads // parallel.size
         device, dtype = weights.embed.device, weights.embed.dtype
         cos, sin = rope_cos_sin(config.rope, config.head_dim, max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
@@ -53,7 +65,7 @@ class Llama:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # rows whose next-token logits are needed
     ) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab], float32."""
+        """Logits [len(logits_indices), vocab], float32 (on rank 0: see `logits`)."""
         return self.logits(self.hidden(input_ids, positions, kv_caches, meta, logits_indices))
 
     def hidden(
@@ -65,7 +77,7 @@ class Llama:
         rows: torch.Tensor,
     ) -> torch.Tensor:
         """The final (normed) hidden states [len(rows), hidden] of the given packed rows."""
-        h = self.weights.embed[input_ids]  # [num_tokens, hidden], a copy
+        h = self.parallel.embed(self.weights.embed, input_ids)  # [num_tokens, hidden], a copy
         if self.fast_decode is not None and self.fast_decode.applies(positions, meta):
             self.fast_decode(h, positions, kv_caches, meta, self.cos, self.sin)  # h in place
         else:
@@ -73,25 +85,29 @@ class Llama:
         return rms_norm(h[rows], self.weights.norm, self.config.rms_norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.weights.lm_head(h).float()
+        """[rows, vocab] float32. Under tensor parallelism a collective: every rank must call it
+        with the same number of rows, and only rank 0 gets the whole vocabulary."""
+        local = self.weights.lm_head(h)
+        return self.parallel.gather_logits(local, self.config.vocab_size).float()
 
     def _layers(
         self, h: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata
     ) -> torch.Tensor:
-        c = self.config
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        c, heads, kv_heads, reduce = self.config, self.num_heads, self.num_kv_heads, self.parallel
+        q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         eps = c.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
             qkv = layer.qkv(rms_norm(h, layer.input_norm, eps))
-            rope_(qkv, c.num_heads + c.num_kv_heads, positions, self.cos, self.sin)
+            rope_(qkv, heads + kv_heads, positions, self.cos, self.sin)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.reshape(-1, c.num_heads, c.head_dim).contiguous()
-            k = k.reshape(-1, c.num_kv_heads, c.head_dim).contiguous()
-            v = v.reshape(-1, c.num_kv_heads, c.head_dim).contiguous()
+            q = q.reshape(-1, heads, c.head_dim).contiguous()
+            k = k.reshape(-1, kv_heads, c.head_dim).contiguous()
+            v = v.reshape(-1, kv_heads, c.head_dim).contiguous()
             a = attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + layer.o(a.view(-1, q_size))
+            # o and down are row-parallel: each rank's product is a partial sum of the whole.
+            h = h + reduce.all_reduce(layer.o(a.view(-1, q_size)))
             gate, up = layer.gate_up(rms_norm(h, layer.post_norm, eps)).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + reduce.all_reduce(layer.down(F.silu(gate) * up))
         return h
 
 

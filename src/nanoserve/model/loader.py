@@ -1,7 +1,8 @@
 """From a checkpoint's tensors to the forward pass's weights: fuses q/k/v and gate/up into one
-matrix each, ties the output projection to the embedding where the checkpoint does, and wraps
-every matrix in a `Linear` (which packs it for the device's fastest matmul). Where the weights
-live is the caller's choice (`place`). Also reads a Hugging Face checkpoint's safetensors (single
+matrix each, ties the output projection to the embedding where the checkpoint does, keeps this
+rank's slices under tensor parallelism (model/parallel.py), and wraps every matrix in a `Linear`
+(which packs it for the device's fastest matmul). Where the weights live is the caller's choice
+(`place`). Also reads a Hugging Face checkpoint's safetensors (single
 file or shards). Owns nothing after loading.
 """
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.linear import Linear
+from nanoserve.model.parallel import SINGLE, Parallel, shard
 
 # Each layer's tensors in `fuse`'s flat list, in this order.
 LAYER_TENSORS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
@@ -44,12 +46,15 @@ Placement = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def load_weights(
-    raw: dict[str, torch.Tensor], config: ModelConfig, place: Placement | None = None
+    raw: dict[str, torch.Tensor],
+    config: ModelConfig,
+    place: Placement | None = None,
+    parallel: Parallel = SINGLE,
 ) -> LlamaWeights:
     """The model's weights from its tensors under Hugging Face names (`raw` is emptied): fused,
-    moved by `place` (copies of the tensors, in order; a tensor listed twice is the same copy
-    twice), then packed."""
-    tensors = fuse(raw, config)
+    cut to this rank's slices, moved by `place` (copies of the tensors, in order; a tensor listed
+    twice is the same copy twice), then packed."""
+    tensors = shard(fuse(raw, config), config, parallel)
     if place is not None:
         tensors = place(tensors)
     return pack(tensors, config.num_layers)

@@ -4,8 +4,10 @@ One engine task (`Serving.run`, started in the server's nursery) owns the Engine
 touch it: `Serving.generate` puts an arrival in the inbox (a Trio memory channel) and reads the
 request's deliveries; leaving early, for any reason, queues an abort. Each turn of the engine task
 drains the inbox, applies aborts, delivers, then awaits one `engine.step` in a named thread: the
-only line that leaves the event loop. With no work it sleeps on the inbox. The engine's fixed
-facts (`tokenizer`, `max_model_len`) are handed to the server here, at start-up.
+only line that leaves the event loop. With no work it sleeps on the inbox, waking every
+HEALTH_CHECK_S to ask the engine whether it can still step (a tensor-parallel worker may die while
+nothing runs). The engine's fixed facts (`tokenizer`, `max_model_len`) are handed to the server
+here, at start-up.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from nanoserve.engine import Engine, RequestOutput, SamplingParams
 from nanoserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+HEALTH_CHECK_S = 1.0  # an idle engine task asks the engine this often whether it still works
 
 
 class Overloaded(Exception):
@@ -100,6 +104,7 @@ class Serving:
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # produced by the last step, not yet delivered
         self.dead: str | None = None  # why the engine stopped serving, once it has
+        self.died = trio.Event()  # set with `dead`: `nanoserve serve` exits then
         self.steps = 0
         self.num_waiting = 0  # in the inbox or the scheduler's queue
         self._arrivals_in_inbox = 0
@@ -152,13 +157,26 @@ class Serving:
         task_status.started()
         while True:
             if not self.engine.has_unfinished() and not self._pending:
-                self._handle(await self._inbox.receive())  # idle: sleep on the inbox
+                await self._idle()
             aborts = self._drain()
             for request_id in aborts:
                 self._abort(request_id)
             self._deliver()
             if self.engine.has_unfinished() and self.dead is None:
                 await self._step()
+
+    async def _idle(self) -> None:
+        """Sleep on the inbox until a message comes; check the engine's health meanwhile."""
+        while True:
+            with trio.move_on_after(HEALTH_CHECK_S):
+                self._handle(await self._inbox.receive())
+                return
+            if self.dead is None:
+                try:
+                    self.engine.check_health()
+                except Exception as e:
+                    log.error("engine health check failed: %s", e)
+                    self._fail_all(f"{type(e).__name__}: {e}")
 
     def _drain(self) -> list[str]:
         aborts: list[str] = []
@@ -221,6 +239,7 @@ class Serving:
         """A failed step, or a schedule that cannot progress: every open request fails, the
         engine's requests are aborted so their blocks come back, and new ones are refused."""
         self.dead = reason
+        self.died.set()
         self.engine.abort_all()
         for delivery in self._open.values():
             delivery.fail(RequestFailed(reason))

@@ -1,7 +1,9 @@
 """Runs the app under Hypercorn's Trio worker on a socket the command line bound, and stops it:
 SIGINT or SIGTERM drains (open requests get a grace period, then fail cleanly), a second signal
 stops at once, and a watchdog exits when a client that stopped reading holds shutdown past the
-grace. Owns the signal handling of the process while the server runs.
+grace. An engine that died (its open requests already failed) stops the server the same way, with
+exit status 1, so that a supervisor restarts it. Owns the signal handling of the process while
+the server runs.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ async def serve(
     sock: socket.socket,
     graceful_timeout: float = ServerConfig.graceful_timeout,
 ) -> int:
-    """Run `app` under Hypercorn's Trio worker on the bound `sock` until SIGINT or SIGTERM;
-    returns the exit status (0).
+    """Run `app` under Hypercorn's Trio worker on the bound `sock` until SIGINT or SIGTERM, or
+    until the engine dies; returns the exit status (0, or 1 when the engine died).
 
     On a signal Hypercorn stops accepting; open requests get most of `graceful_timeout` to
     finish, then fail cleanly (streams end with an error event and [DONE]); Hypercorn cancels
     what is left at the deadline, and the engine task stops after its current step. A client
     that stopped reading can hold a shielded socket write past all that: a watchdog exits then.
-    A second signal fails every open request at once and exits with 128 + its number.
+    A second signal fails every open request at once and exits with 128 + its number. When the
+    engine dies the same shutdown starts at once (its requests have failed already, so it takes
+    well under the grace period), under the same watchdog.
     """
     config = HypercornConfig()
     config.bind = [f"fd://{sock.detach()}"]  # Hypercorn's socket object owns the descriptor now
@@ -52,10 +56,23 @@ async def serve(
             nursery.cancel_scope.cancel()  # the signal watcher
 
         await nursery.start(_watch_signals, stop, serving, graceful_timeout)
+        nursery.start_soon(_stop_when_the_engine_dies, stop, serving, graceful_timeout)
         binds = await nursery.start(run_hypercorn)
         log.info("ready: %s (OpenAI API at %s/v1)", binds[0], binds[0])
+    if serving.dead is not None:
+        log.error("stopped: the engine died (%s)", serving.dead)
+        return 1
     log.info("stopped")
     return 0
+
+
+async def _stop_when_the_engine_dies(stop: trio.Event, serving: Serving, grace: float) -> None:
+    await serving.died.wait()
+    log.error("the engine died: shutting down (%s)", serving.dead)
+    stop.set()
+    await trio.sleep(grace + 2.0)
+    log.error("shutdown is stuck (a client that stopped reading?): exiting now")
+    os._exit(1)
 
 
 async def _watch_signals(

@@ -44,6 +44,7 @@ class LiveServer:
     app: QuartTrio
     http: httpx.AsyncClient  # for /health and /metrics
     raw: list[trio.SocketStream] = field(default_factory=list)  # closed before shutdown
+    startup_log: str = ""  # serve_command: what the process wrote to stderr up to its ready line
 
     async def health(self) -> dict[str, Any]:
         return (await self.http.get("/health")).json()
@@ -87,8 +88,17 @@ async def live_server(
     **engine_args: Any,
 ) -> AsyncIterator[LiveServer]:
     """Serve the app on 127.0.0.1, port 0; ready when Hypercorn reports its binds (after the
-    app's startup, which starts the engine task)."""
-    engine = Engine(model_dir, EngineConfig(**engine_args))
+    app's startup, which starts the engine task). The engine is closed at the end (its
+    tensor-parallel workers stop)."""
+    with Engine(model_dir, EngineConfig(**engine_args)) as engine:
+        async with _serving(engine, max_queue, api_key, max_body_bytes) as server:
+            yield server
+
+
+@asynccontextmanager
+async def _serving(
+    engine: Engine, max_queue: int | None, api_key: str | None, max_body_bytes: int
+) -> AsyncIterator[LiveServer]:
     serving = Serving(engine, max_queue=max_queue)
     app = create_app(serving, MODEL_NAME, api_key=api_key, max_body_bytes=max_body_bytes)
     config = Config()
@@ -192,6 +202,7 @@ async def serve_command(
         host, port = url.removeprefix("http://").rsplit(":", 1)
         async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as http:
             server = LiveServer(url, host, int(port), None, None, None, http)  # type: ignore[arg-type]
+            server.startup_log = log.decode(errors="replace")
             try:
                 yield proc, server
             finally:
