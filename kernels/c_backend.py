@@ -140,6 +140,53 @@ def rope_(
     )
 
 
+# GGML's type ids of the GGUF block formats: the C module's qtype codes (enum ns_qtype).
+QTYPE_CODES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+# decode_layers' qtypes columns: the matrices of a layer that may be GGUF block matrices.
+QUANT_MATRICES = ("qkv", "o", "gate_up", "down")
+
+
+def quant_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
+    _C.quant_linear(
+        out=out.data_ptr(),
+        x=x.data_ptr(),
+        w=data.data_ptr(),
+        M=x.shape[0],
+        N=out.shape[1],
+        K=x.shape[1],
+        qtype=QTYPE_CODES[qtype],
+        num_threads=torch.get_num_threads(),
+    )
+
+
+def quantize(weight: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
+    _C.quantize(
+        out=out.data_ptr(),
+        w=weight.data_ptr(),
+        N=weight.shape[0],
+        K=weight.shape[1],
+        qtype=QTYPE_CODES[qtype],
+        num_threads=torch.get_num_threads(),
+    )
+
+
+def dequantize(
+    data: torch.Tensor, qtype: str, K: int, rows: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """out [R, K] = the rows `rows` (int64; all, in order, when None) of the block matrix data;
+    the C module checks the row indices."""
+    _C.dequantize(
+        out=out.data_ptr(),
+        w=data.data_ptr(),
+        rows=0 if rows is None else rows.data_ptr(),
+        num_rows=out.shape[0],
+        N=data.shape[0],
+        K=K,
+        qtype=QTYPE_CODES[qtype],
+        num_threads=torch.get_num_threads(),
+    )
+
+
 def decode_layers(
     h: torch.Tensor,
     layers: torch.Tensor,
@@ -156,7 +203,22 @@ def decode_layers(
     intermediate: int,
     eps: float,
     scale: float,
+    qtypes: torch.Tensor | None = None,
 ) -> None:
+    """qtypes: None (every matrix a float tensor of h's dtype), or an int32 table [num_layers, 4]
+    whose columns are QUANT_MATRICES: 0 for a float matrix, a QTYPE_CODES value for a matrix of
+    GGUF blocks (rows of blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), whose
+    pointer the layers table then holds; quantized matrices need a float32 h."""
+    if qtypes is not None and (
+        qtypes.dtype != torch.int32
+        or tuple(qtypes.shape) != (layers.shape[0], len(QUANT_MATRICES))
+        or not qtypes.is_contiguous()
+        or not qtypes.is_cpu
+    ):
+        raise ValueError(
+            f"qtypes must be a contiguous CPU int32 tensor [num_layers, 4] = "
+            f"[{layers.shape[0]}, 4], got {tuple(qtypes.shape)} {qtypes.dtype} on {qtypes.device}"
+        )
     _C.decode_layers(
         h=h.data_ptr(),
         layers=layers.data_ptr(),
@@ -181,4 +243,5 @@ def decode_layers(
         scale=float(scale),
         dtype_code=DTYPE_CODES[h.dtype],
         num_threads=torch.get_num_threads(),
+        qtypes=0 if qtypes is None else qtypes.data_ptr(),
     )

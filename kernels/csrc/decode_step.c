@@ -10,6 +10,11 @@
  * Layer weights come as a table of pointers, one row per layer: input norm, qkv, o, post norm,
  * gate_up, down, k cache, v cache. Positions, slots and block tables are checked here; the
  * tensors' types and shapes are checked by the caller (src/nanoserve/model/cpu_step.py).
+ *
+ * With float32 activations each of qkv, o, gate_up and down may instead be a matrix of GGUF blocks
+ * (quant.c), as an optional table of codes says, one row per layer: 0 for a float matrix of the
+ * step's dtype, else the GGML type id. Rows of blocks concatenate like rows of floats, so the fused
+ * qkv and gate_up matrices are the row-concatenations of their parts' blocks.
  */
 #include "nanoserve.h"
 
@@ -18,10 +23,13 @@
 #include <string.h>
 
 enum { W_INPUT_NORM, W_QKV, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, PER_LAYER };
+/* The columns of the qtypes table: the matrices that may be GGUF block matrices. */
+enum { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, QUANT_PER_LAYER };
 
 typedef struct {
     void *h; /* [rows, hidden], updated in place */
     const uint64_t *layers; /* [num_layers, PER_LAYER] pointers */
+    const int32_t *qtypes;  /* [num_layers, QUANT_PER_LAYER] codes, or NULL: all float */
     const int64_t *positions, *slots;
     const void *cos, *sin;
     decode_args attn; /* out, q, caches set per layer */
@@ -39,6 +47,18 @@ typedef struct {
 
 /* Pointer i of a layer's row of the weight table. */
 static inline const void *weight(const uint64_t *w, int i) { return (const void *)(uintptr_t)w[i]; }
+
+/* out [rows, N] = x [rows, K] times the transpose of matrix `which` (Q_*) of layer w: the float
+ * GEMV, or the quantized matmul where the layer's qtypes say so. */
+static int matmul(const step_args *s, const uint64_t *w, int which, void *out, const void *x,
+                  Py_ssize_t N, Py_ssize_t K) {
+    static const int column[QUANT_PER_LAYER] = {W_QKV, W_O, W_GATE_UP, W_DOWN};
+    const Py_ssize_t layer = (w - s->layers) / PER_LAYER;
+    const int qtype = s->qtypes ? s->qtypes[layer * QUANT_PER_LAYER + which] : 0;
+    const void *m = weight(w, column[which]);
+    if (qtype) return nanoserve_quant_matmul(out, x, m, s->rows, N, K, qtype, s->threads);
+    return nanoserve_gemv(out, x, m, s->rows, N, K, s->dtype, s->threads);
+}
 
 /* h[i] = h[i] + add[i], rounded like torch's add. */
 static void add_into(void *h, const void *add, Py_ssize_t n, int dtype) {
@@ -99,7 +119,7 @@ static int attention_half(const step_args *s, const step_scratch *b, const uint6
     int rc = 0;
     nanoserve_rms_norm_rows(b->x, s->h, weight(w, W_INPUT_NORM), M, H, s->eps, s->dtype,
                             s->threads);
-    rc |= nanoserve_gemv(b->qkv, b->x, weight(w, W_QKV), M, qkv_width, H, s->dtype, s->threads);
+    rc |= matmul(s, w, Q_QKV, b->qkv, b->x, qkv_width, H);
     nanoserve_rope_rows(b->qkv, s->positions, s->cos, s->sin, M, s->heads + s->kv_heads, D,
                         qkv_width, s->dtype, s->threads);
     decode_args a = s->attn;
@@ -111,7 +131,7 @@ static int attention_half(const step_args *s, const step_scratch *b, const uint6
     a.k = c.k_cache;
     a.v = c.v_cache;
     rc |= nanoserve_decode_attention(&a, s->threads);
-    rc |= nanoserve_gemv(b->o, b->attn, weight(w, W_O), M, H, q_width, s->dtype, s->threads);
+    rc |= matmul(s, w, Q_O, b->o, b->attn, H, q_width);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }
@@ -122,10 +142,9 @@ static int mlp_half(const step_args *s, const step_scratch *b, const uint64_t *w
     int rc = 0;
     nanoserve_rms_norm_rows(b->x, s->h, weight(w, W_POST_NORM), M, H, s->eps, s->dtype,
                             s->threads);
-    rc |= nanoserve_gemv(b->gate_up, b->x, weight(w, W_GATE_UP), M, 2 * I, H, s->dtype,
-                         s->threads);
+    rc |= matmul(s, w, Q_GATE_UP, b->gate_up, b->x, 2 * I, H);
     silu_mul(b->act, b->gate_up, M, I, s->dtype);
-    rc |= nanoserve_gemv(b->o, b->act, weight(w, W_DOWN), M, H, I, s->dtype, s->threads);
+    rc |= matmul(s, w, Q_DOWN, b->o, b->act, H, I);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }
@@ -152,16 +171,17 @@ static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
                              "table_rows", "block_tables", "context_lens", "max_blocks_per_seq",
                              "block_size", "num_blocks", "rows", "hidden", "heads", "kv_heads",
                              "head_dim", "intermediate", "eps", "scale", "dtype_code",
-                             "num_threads", NULL};
-    unsigned long long h, layers, positions, slots, cos, sin, tables, lens;
+                             "num_threads", "qtypes", NULL};
+    unsigned long long h, layers, positions, slots, cos, sin, tables, lens, qtypes = 0;
     decode_args *a = &s->attn;
     double scale;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "KKnKKKKnKKnnnnnnnnnfdii", kwlist, &h, &layers, &s->num_layers,
+            args, kwargs, "KKnKKKKnKKnnnnnnnnnfdii|K", kwlist, &h, &layers, &s->num_layers,
             &positions, &slots, &cos, &sin, table_rows, &tables, &lens, &a->max_blocks_per_seq,
             &a->block_size, &a->num_blocks, &s->rows, &s->hidden, &s->heads, &s->kv_heads,
-            &s->head_dim, &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads))
+            &s->head_dim, &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads, &qtypes))
         return -1;
+    s->qtypes = (const int32_t *)(uintptr_t)qtypes;
     s->h = (void *)(uintptr_t)h;
     s->layers = (const uint64_t *)(uintptr_t)layers;
     s->positions = (const int64_t *)(uintptr_t)positions;
@@ -192,6 +212,28 @@ static int check_sizes(const step_args *s) {
     return 0;
 }
 
+/* 0, or -1 with a ValueError set when a qtypes code is no format, or a quantized matrix comes
+ * with bfloat16 activations or a K that is no multiple of 32. */
+static int check_qtypes(const step_args *s) {
+    static const char *const names[QUANT_PER_LAYER] = {"qkv", "o", "gate_up", "down"};
+    const Py_ssize_t K[QUANT_PER_LAYER] = {s->hidden, s->heads * s->head_dim, s->hidden,
+                                           s->intermediate};
+    for (Py_ssize_t i = 0; s->qtypes && i < s->num_layers * QUANT_PER_LAYER; i++) {
+        const int q = s->qtypes[i], which = (int)(i % QUANT_PER_LAYER);
+        if (q == 0) continue;
+        const char *why = !ns_block_bytes(q)  ? "is no GGUF block format code (2, 3, 8)"
+                          : s->dtype != NS_F32 ? "needs float32 activations"
+                          : K[which] % 32      ? "needs K, its columns, a multiple of 32"
+                                               : NULL;
+        if (why) {
+            PyErr_Format(PyExc_ValueError, "qtypes[%zd, %d] = %d (%s) %s", i / QUANT_PER_LAYER,
+                         which, q, names[which], why);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* 0, or -1 with a ValueError set when a row's position is outside the cos/sin tables or its slot
  * past the cache. */
 static int check_rows(const step_args *s, Py_ssize_t table_rows) {
@@ -216,7 +258,8 @@ PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *k
     step_args s;
     Py_ssize_t table_rows;
     if (parse_step_args(args, kwargs, &s, &table_rows) < 0 || check_sizes(&s) < 0 ||
-        check_rows(&s, table_rows) < 0 || nanoserve_check_tables(&s.attn) < 0)
+        check_qtypes(&s) < 0 || check_rows(&s, table_rows) < 0 ||
+        nanoserve_check_tables(&s.attn) < 0)
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS;

@@ -34,8 +34,10 @@ static PyMethodDef methods[] = {
     {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
      "decode_layers(h, layers, num_layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
-     "head_dim, intermediate, eps, scale, dtype_code, num_threads): a decode step of up to "
-     "GEMV_ROWS rows through every layer, h updated in place; pointers as ints."},
+     "head_dim, intermediate, eps, scale, dtype_code, num_threads, qtypes=0): a decode step of "
+     "up to GEMV_ROWS rows through every layer, h updated in place; pointers as ints. qtypes: "
+     "an int32 [num_layers, 4] table (qkv, o, gate_up, down) of GGML type ids of GGUF block "
+     "matrices, 0 for float ones (float32 activations only), or 0 for none."},
     {"quant_linear", KW_FUNCTION(nanoserve_py_quant_linear), METH_VARARGS | METH_KEYWORDS,
      "quant_linear(out, x, w, M, N, K, qtype, num_threads): out [M, N] float32 = x [M, K] "
      "float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (2 Q4_0, 3 "
@@ -63,7 +65,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     "_C",
     "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE, the one-call decode step and "
-    "matmuls on GGUF block weights; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and decode_layers take.",
+    "matmuls on GGUF block weights; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and "
+    "decode_layers take.",
     -1,
     methods,
     NULL,

@@ -160,6 +160,17 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
  * and row n of w only (bitwise, whatever M, the other rows or the thread count). 0, or -1 when out
  * of memory. */
 enum ns_qtype { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };
+enum { Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20 };
+
+/* Bytes of one block of the format with GGML type id qtype (NS_Q*), or 0 for no format. */
+static inline size_t ns_block_bytes(int qtype) {
+    switch (qtype) {
+    case NS_Q8_0: return Q8_0_BYTES;
+    case NS_Q4_0: return Q4_0_BYTES;
+    case NS_Q4_1: return Q4_1_BYTES;
+    default: return 0;
+    }
+}
 int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
                            Py_ssize_t K, int qtype, int num_threads);
 

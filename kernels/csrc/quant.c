@@ -95,16 +95,35 @@ static void *xq_alloc(ns_xq *xq, const ns_xq_layout *l, Py_ssize_t M, Py_ssize_t
 }
 
 /* v = round(x / dx) with dx = max|x| / 127, as llama.cpp's Q8 activations (halves to even);
- * returns dx. The same on every path, so the integer dot products are too. */
+ * returns dx. The same on every path, so the integer dot products are too. Written so that GCC
+ * vectorises it: max|x| as an integer max of the bit patterns (monotonic for |x|, and a NaN wins,
+ * making every output NaN), the clamp as selects. */
 static float quantize_block(int8_t *v, const float *x) {
-    float amax = 0.0f;
-    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
-    const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+    uint32_t amax_bits = 0;
+    for (int j = 0; j < QK; j++) {
+        const uint32_t a = ns_f32_to_bits(x[j]) & 0x7fffffffu;
+        amax_bits = a > amax_bits ? a : amax_bits;
+    }
+    const float dx = ns_bits_to_f32(amax_bits) / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
     for (int j = 0; j < QK; j++) {
         const float r = rintf(x[j] * id);
-        v[j] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        v[j] = (int8_t)(int)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
     }
     return dx;
+}
+
+/* The sums of the values each of a block's `lanes` int32 lanes covers (see ns_xq_layout). */
+static void lane_sums(int32_t *s, const int8_t *v, const ns_xq_layout *l) {
+    for (int i = 0; i < l->lanes; i++) {
+        int32_t sum = 0;
+        if (l->lanes == 1)
+            for (int j = 0; j < QK; j++) sum += v[j];
+        else if (l->split)
+            for (int j = 0; j < 4; j++) sum += v[4 * i + j] + v[QK / 2 + 4 * i + j];
+        else
+            for (int j = 0; j < 4; j++) sum += v[4 * i + j];
+        s[i] = sum;
+    }
 }
 
 /* Block b's values into the row's q (in order, or split into halves by group), and its lanes. */
@@ -118,8 +137,8 @@ static void place_block(const ns_xq *xq, const ns_xq_layout *l, Py_ssize_t m, Py
     } else {
         memcpy(q + b * QK, v, QK);
     }
-    int32_t s[8] = {0}; /* the sums of the values each lane of this layout covers */
-    for (int j = 0; j < QK; j++) s[l->lanes == 1 ? 0 : l->split ? (j % 16) / 4 : j / 4] += v[j];
+    int32_t s[8];
+    lane_sums(s, v, l);
     const Py_ssize_t at = m * xq->lane_stride + b * l->lanes;
     for (int i = 0; i < l->lanes; i++) {
         xq->dx[at + i] = dx;

@@ -9,9 +9,14 @@
  *
  * out = x @ W^T runs on int8 activations, as llama.cpp does: each row of x is quantized per block
  * of 32 (dx = max|x| / 127, int8 q = round(x / dx)), the kernels take exact integer dot products of
- * a weight block and an activation block in int32 lanes (each lane the sum of 8 products), and
- * scale them in float: out = sum over blocks of (d dx) * dot (+ m dx sum(q) for Q4_1). The integer
- * part is exact, so the paths differ only in how they add the scaled lanes.
+ * a weight block and an activation block in int32 lanes (each lane the sum of 4 or 8 products),
+ * and scale them in float: out = sum over blocks of (d dx) * dot (+ m dx sum(q) for Q4_1). The
+ * integer part is exact and every path quantizes x alike, so the paths differ only in how they add
+ * the scaled lanes. Against the alternative, de-quantizing the weights to float (kept in
+ * csrc/experiments/dequant_f32.c for bench/bench_quant.py --compare-dequant), this measured 1.6-2x
+ * faster at M = 1 and 4 on SmolLM2-135M's larger matrices (the batch-1 decode; 192 x 576 is a
+ * tie, call overhead), and 1.3-2.5x faster at M = 32 and 256; at M = 256 it beat de-quantizing
+ * and then MKL's float32 GEMM too (AVX-512 VNNI).
  */
 #ifndef NANOSERVE_QUANT_H
 #define NANOSERVE_QUANT_H
@@ -20,28 +25,15 @@
 
 enum { QK = 32 }; /* values per block, along K */
 
-/* Block sizes in bytes. */
-enum { Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20 };
-
 /* The paths, in order of preference; kernels.cpu_isa() names them. */
 enum ns_isa { NS_ISA_PORTABLE = 0, NS_ISA_AVX2 = 1, NS_ISA_AVX512 = 2 };
 
-/* Bytes of one block of the format with GGML type id qtype (NS_Q*), or 0 for no format. */
-static inline size_t ns_block_bytes(int qtype) {
-    switch (qtype) {
-    case NS_Q8_0: return Q8_0_BYTES;
-    case NS_Q4_0: return Q4_0_BYTES;
-    case NS_Q4_1: return Q4_1_BYTES;
-    default: return 0;
-    }
-}
-
 /* How a path wants the activations: `group` blocks go through the kernel at a time (the row's
  * blocks are padded with zero blocks to a whole number of groups); `lanes` int32 lanes per block;
- * `split`: each group's int8 values are laid out as the low halves (values 0-15) of its blocks,
- * then their high halves (values 16-31), which is where the nibbles of 4-bit weights land, instead
- * of in order; lane i of a block then covers values 4i..4i+3 and 16+4i..16+4i+3 (split, 4 lanes)
- * or 4i..4i+3 (in order, 8 lanes) or all 32 (1 lane). `corr`: the factor of corr below. */
+ * `split`: each group's int8 values are laid out as the first halves (values 0-15) of its blocks,
+ * then their second halves (values 16-31), where a 4-bit block's low and high nibbles land,
+ * instead of in order; lane i of a block then covers values 4i..4i+3 and 16+4i..16+4i+3 (split, 4
+ * lanes) or 4i..4i+3 (in order, 8 lanes) or all 32 (1 lane). `corr`: the factor of corr below. */
 typedef struct {
     int group, lanes, split, corr;
 } ns_xq_layout;
@@ -67,6 +59,15 @@ typedef struct {
     size_t row_bytes;
     int qtype;
 } ns_qmm;
+
+/* A tile of it: rows r0.. of x by rows c0.. of W (columns of out); `panel`, when set, holds W's
+ * groups already unpacked by the path (`groups` a row of W), row c0's first. */
+typedef struct {
+    const ns_qmm *a;
+    Py_ssize_t r0, c0;
+    const void *panel;
+    Py_ssize_t groups;
+} ns_tile;
 
 /* Each path: its activation layout for a format, and out[:, n0:n1]. */
 ns_xq_layout ns_layout_portable(int qtype);

