@@ -2,7 +2,7 @@
 
 Offline throughput of one workload (32 requests, prompts of 32-256 and outputs of 32-128 tokens,
 greedy, EOS ignored), all requests at once ("batched") and a few one at a time ("one stream"),
-for nanoserve (weights de-quantized to float32 or bfloat16, or kept in their GGUF blocks),
+for nanoserve (weights kept in their GGUF blocks, or de-quantized to float32 or bfloat16),
 transformers (float32, the file de-quantized by transformers) and llama.cpp (llama-cpp-python on
 the file itself, its default settings, 2 threads), in one run; then nanoserve's start-up, from
 `nanoserve serve` to the first answer, with the server's resident memory.
@@ -86,7 +86,8 @@ def main() -> None:
     requests = workload(args.requests, vocab=49152, prompts=(32, 256), outputs=(32, 128))
     serial = requests[: args.serial]
     runs = {
-        "nanoserve float32": lambda rs: run_nanoserve(path, rs, dtype="float32"),
+        "nanoserve Q4_1 blocks": lambda rs: run_nanoserve(path, rs),
+        "nanoserve float32": lambda rs: run_nanoserve(path, rs, quantization="none"),
         "nanoserve bfloat16": lambda rs: run_nanoserve(path, rs, dtype="bfloat16"),
     }
     if not args.skip_hf:

@@ -48,7 +48,7 @@ def generate(
     lc.llama_backend_init()
     with tempfile.TemporaryDirectory() as tmp:
         path = model if model.suffix == ".gguf" else write_gguf(model, Path(tmp) / "model.gguf")
-        loaded = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        loaded = lc.llama_model_load_from_file(str(path).encode(), _model_params())
     if not loaded:
         raise RuntimeError(f"llama.cpp could not load {model}")
     slots = min(len(requests), max_seqs)
@@ -76,6 +76,15 @@ def generate(
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)
         lc.llama_model_free(loaded)
+
+
+def _model_params() -> lc.llama_model_params:
+    """llama.cpp's defaults, but for its AMX weight buffers: llama-cpp-python 0.3.36 segfaults in
+    llama_decode with them on the development machine (a VM whose Xeon reports AMX)."""
+    params = lc.llama_model_default_params()
+    if "amx_int8" in Path("/proc/cpuinfo").read_text():
+        params.use_extra_bufts = False
+    return params
 
 
 def run_llamacpp(
