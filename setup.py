@@ -45,6 +45,7 @@ setup(
                 "kernels/csrc/nanoserve.h",
                 "kernels/csrc/quant.h",
                 "kernels/csrc/quant_avx512.inc",
+                "kernels/csrc/quant_avx512_i16.inc",
                 "kernels/csrc/quant_tiles.inc",
             ],
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.

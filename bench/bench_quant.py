@@ -2,10 +2,14 @@
 
 SmolLM2-135M's shapes (q and o 576x576, k and v 192x576, gate and up 1536x576, down 576x1536, and
 the Q8_0 embedding / output 49152x576) at M = 1, 4, 32 and 256 rows: milliseconds per call and GB/s
-of weight bytes read, for Q8_0, Q4_0 and Q4_1 on every instruction-set path this CPU runs (portable
-C, AVX2, AVX-512 without and with VNNI), beside the float32 GEMV (kernels.small_linear, M <= 4) and
-torch's F.linear on the float32 matrix, and torch's sum over 512 MiB as the machine's read
-bandwidth. Prints a table and writes bench/results/quant_cpu.json.
+of weight bytes read, for Q8_0, Q4_0 and Q4_1 with int16 and int8 activations (kernels.ACTIVATIONS)
+on every instruction-set path this CPU runs (portable C, AVX2, AVX-512 without and with VNNI),
+beside the float32 GEMV (kernels.small_linear, M <= 4) and torch's F.linear on the float32 matrix,
+and torch's sum over 512 MiB as the machine's read bandwidth. Then the decode sweep: all 30 layers'
+matrices of SmolLM2-135M (fused qkv 960x576, o, fused gate_up 3072x576, down; 66 MB of Q4_1, more
+than the L2 caches hold) one after the other at M = 1 and 4, as a decode step reads them, beside
+small_linear on their float32 values. Prints a table, the int16 / int8 ratios, and writes
+bench/results/quant_cpu.json.
 
 --compare-dequant adds the alternative the kernels do not take: the weights de-quantized to
 float32 instead of the activations quantized to int8 (kernels/csrc/experiments/dequant_f32.c,
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from bench.machine import cpu_model
 from nanoserve import kernels
 from nanoserve.kernels import c_backend, quant
+from nanoserve.kernels.quant import ACTIVATIONS
 
 SHAPES = [  # N, K, what
     (576, 576, "q, o"),
@@ -45,6 +50,9 @@ SHAPES = [  # N, K, what
     (49152, 576, "embedding"),
 ]
 ROWS = (1, 4, 32, 256)
+# SmolLM2-135M's decoder layers as the decode step reads them: fused qkv, o, fused gate_up, down.
+LAYERS, LAYER_SHAPES = 30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+SWEEP_ROWS = (1, 4)
 RESULTS = Path(__file__).parent / "results"
 EXPERIMENT = Path(kernels.__file__).parent / "csrc" / "experiments" / "dequant_f32.c"
 
@@ -102,18 +110,20 @@ def dequant_libs() -> dict[str, ctypes.CDLL]:
     return libs
 
 
-def quant_points(w: torch.Tensor, m: int, qtype: str, budget: float) -> dict:
-    """ms per call of each path on w quantized to qtype, x of m rows."""
+def quant_points(w: torch.Tensor, m: int, qtype: str, budget: float) -> dict[str, dict]:
+    """By activations: ms per call of each path on w quantized to qtype, x of m rows."""
     q = kernels.quantize(w, qtype)
     x = torch.randn(m, w.shape[1])
     out = torch.empty(m, w.shape[0])
-    times = {}
+    times: dict[str, dict] = {act: {} for act in ACTIVATIONS}
     before = (quant.cpu_isa(), quant.uses_vnni())
     for label, path, vnni in paths():
         quant.set_isa(path, vnni)
-        times[label] = time_ms(lambda: kernels.quantized_linear(x, q, out), budget)
+        for act in ACTIVATIONS:
+            call = functools.partial(kernels.quantized_linear, x, q, out, activations=act)
+            times[act][label] = time_ms(call, budget)
     quant.set_isa(*before)
-    return {"weight_bytes": q.data.numel(), "ms": times}
+    return {act: {"weight_bytes": q.data.numel(), "ms": ms} for act, ms in times.items()}
 
 
 def dequant_points(w: torch.Tensor, m: int, qtype: str, libs: dict, budget: float) -> dict:
@@ -155,11 +165,14 @@ def measure(args: argparse.Namespace, libs: dict) -> list[dict]:
             points.append({**base, "qtype": "float32", **float_points(w, m, budget)})
             print_point(points[-1])
             for qtype in qtypes:
-                point = quant_points(w, m, qtype, budget)
-                if libs:
-                    point["ms"].update(dequant_points(w, m, qtype, libs, budget))
-                points.append({**base, "qtype": qtype, **point})
-                print_point(points[-1])
+                for act, point in quant_points(w, m, qtype, budget).items():
+                    points.append({**base, "qtype": qtype, "activations": act, **point})
+                    print_point(points[-1])
+                if libs:  # the weights de-quantized to float: float32 activations
+                    ms = dequant_points(w, m, qtype, libs, budget)
+                    point = {"weight_bytes": points[-1]["weight_bytes"], "ms": ms}
+                    points.append({**base, "qtype": qtype, "activations": "float32", **point})
+                    print_point(points[-1])
     return points
 
 
@@ -168,7 +181,81 @@ def print_point(p: dict) -> None:
         f"{name} {ms:.3f} ms {p['weight_bytes'] / ms / 1e6:.1f} GB/s"
         for name, ms in p["ms"].items()
     )
-    print(f"{p['n']:5d}x{p['k']:<4d} M={p['m']:<3d} {p['qtype']:7s} {cells}", flush=True)
+    label = f"{p['qtype']} {p.get('activations', '')}"
+    print(f"{p['n']:5d}x{p['k']:<4d} M={p['m']:<3d} {label:13s} {cells}", flush=True)
+
+
+def sweep(budget: float) -> list[dict]:
+    """ms per decode sweep over SmolLM2-135M's layer matrices (LAYER_SHAPES, LAYERS times; random
+    values of its scale) in Q4_1, each path and activations, and small_linear on the floats."""
+    g = torch.Generator().manual_seed(0)
+    shapes = LAYER_SHAPES * LAYERS
+    floats = [torch.randn(s, generator=g) / s[1] ** 0.5 for s in shapes]
+    blocks = [kernels.quantize(w, "q4_1") for w in floats]
+    nbytes = sum(b.data.numel() for b in blocks)
+    points = []
+    for m in SWEEP_ROWS:
+        xs = {k: torch.randn(m, k, generator=g) for _, k in LAYER_SHAPES}
+        calls = [functools.partial(kernels.small_linear, xs[w.shape[1]], w) for w in floats]
+        ms = time_ms(lambda calls=calls: [c() for c in calls], budget)
+        points.append(sweep_point(m, "float32", None, sum(w.numel() * 4 for w in floats), ms))
+        before = (quant.cpu_isa(), quant.uses_vnni())
+        for label, path, vnni in paths():
+            quant.set_isa(path, vnni)
+            for act in ACTIVATIONS:
+                calls = [
+                    functools.partial(kernels.quantized_linear, xs[b.shape[1]], b, activations=act)
+                    for b in blocks
+                ]
+                ms = time_ms(lambda calls=calls: [c() for c in calls], budget)
+                points.append(sweep_point(m, f"q4_1 {act}", label, nbytes, ms))
+        quant.set_isa(*before)
+    return points
+
+
+def sweep_point(m: int, what: str, path: str | None, nbytes: int, ms: float) -> dict:
+    point = {"m": m, "what": what, "path": path, "weight_bytes": nbytes, "ms": ms}
+    print(
+        f"sweep M={m} {what:11s} {path or 'small_linear':12s} {ms:7.3f} ms "
+        f"{nbytes / ms / 1e6:5.1f} GB/s",
+        flush=True,
+    )
+    return point
+
+
+def summary(points: list[dict], sweeps: list[dict]) -> list[dict]:
+    """int16 over int8 per shape, M, format and path, beside the float32 matmuls' times; and per
+    decode sweep."""
+    floats = {(p["n"], p["k"], p["m"]): p["ms"] for p in points if p["qtype"] == "float32"}
+    by_act = {(p["n"], p["k"], p["m"], p["qtype"], p.get("activations")): p["ms"] for p in points}
+    rows = []
+    for (n, k, m, qtype, act), ms in by_act.items():
+        if act != "int16":
+            continue
+        int8 = by_act[n, k, m, qtype, "int8"]
+        for path, t in ms.items():
+            row = {"n": n, "k": k, "m": m, "qtype": qtype, "path": path, "int16_ms": t}
+            row |= {"int8_ms": int8[path], "int16_over_int8": round(t / int8[path], 3)}
+            rows.append(row | {f"float32 {f}_ms": v for f, v in floats[n, k, m].items()})
+    sweep_ms = {(p["m"], p["path"], p["what"]): p["ms"] for p in sweeps}
+    for (m, path, what), t in sweep_ms.items():
+        if what == "q4_1 int16":
+            int8 = sweep_ms[m, path, "q4_1 int8"]
+            row = {"sweep": True, "m": m, "path": path, "int16_ms": t, "int8_ms": int8}
+            row |= {"int16_over_int8": round(t / int8, 3)}
+            rows.append(row | {"float32 small_linear_ms": sweep_ms[m, None, "float32"]})
+    return rows
+
+
+def print_summary(rows: list[dict]) -> None:
+    print("\nint16 / int8 (and float32's ms):")
+    for r in rows:
+        where = "sweep" if r.get("sweep") else f"{r['n']}x{r['k']} {r['qtype']}"
+        floats = [(f, r.get(f"float32 {f}_ms")) for f in ("F.linear", "small_linear")]
+        extra = "".join(f" | {f} {t:.3f} ms" for f, t in floats if t)
+        times = f"int16 {r['int16_ms']:.3f} ms int8 {r['int8_ms']:.3f} ms"
+        ratio = f"{r['int16_over_int8']:.2f}x"
+        print(f"  {where:16s} M={r['m']:<3d} {r['path']:12s} {times} = {ratio}{extra}")
 
 
 def machine() -> dict:
@@ -192,12 +279,18 @@ def main() -> int:
     bandwidth = read_bandwidth()
     print(f"read bandwidth (torch sum over 512 MiB): {bandwidth:.1f} GB/s", flush=True)
     points = measure(args, libs)
+    sweeps = sweep(0.1 if args.quick else 0.5)
+    rows = summary(points, sweeps)
+    print_summary(rows)
     result = {
         "benchmark": "quantized_linear",
         "machine": machine(),
         "read_gbps": round(bandwidth, 2),
-        "units": "ms: median per call; GB/s: weight bytes (blocks, or float32) per second",
+        "units": "ms: median per call (per sweep of all layers for sweeps); GB/s: weight bytes "
+        "(blocks, or float32) per second",
         "points": points,
+        "sweeps": sweeps,
+        "summary": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_cpu.json").write_text(json.dumps(result, indent=1) + "\n")

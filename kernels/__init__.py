@@ -6,7 +6,8 @@ for CPU tensors (falling back to torch, with a warning, when the C module is not
 small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory speed on the CPU;
 rms_norm and rope_ do Llama's RMSNorm and rotary embedding in one C call each on the CPU.
 quantized_linear multiplies by a matrix kept in llama.cpp's GGUF block formats (QUANT_TYPES: Q8_0,
-Q4_0, Q4_1; see kernels/quant.py) on the CPU's best instruction set (cpu_isa()).
+Q4_0, Q4_1; see kernels/quant.py) on the CPU's best instruction set (cpu_isa()), its input rounded
+to int16 (the default) or int8 (ACTIVATIONS).
 """
 
 from .api import (
@@ -22,6 +23,7 @@ from .api import (
     store_kv,
 )
 from .quant import (
+    ACTIVATIONS,
     QUANT_TYPES,
     QuantizedWeight,
     aligned_bytes,
@@ -32,6 +34,7 @@ from .quant import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
     "BACKENDS",
     "CACHE_DTYPES",
     "SMALL_LINEAR_MAX_ROWS",

@@ -144,9 +144,23 @@ def rope_(
 QTYPE_CODES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 # decode_layers' qtypes columns: the matrices of a layer that may be GGUF block matrices.
 QUANT_MATRICES = ("qkv", "o", "gate_up", "down")
+# The integers the quantized matmuls round their float32 input to, by name (kernels.quant's
+# ACTIVATIONS): the C module's codes, their bits (enum ns_act).
+ACTIVATION_CODES = {"int16": 16, "int8": 8}
 
 
-def quant_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
+def _activation_code(activations: str) -> int:
+    try:
+        return ACTIVATION_CODES[activations]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"activations must be one of {tuple(ACTIVATION_CODES)}, got {activations!r}"
+        ) from None
+
+
+def quant_linear(
+    x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor, activations: str = "int16"
+) -> None:
     _C.quant_linear(
         out=out.data_ptr(),
         x=x.data_ptr(),
@@ -156,6 +170,7 @@ def quant_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Ten
         K=x.shape[1],
         qtype=QTYPE_CODES[qtype],
         num_threads=torch.get_num_threads(),
+        activations=_activation_code(activations),
     )
 
 
@@ -187,6 +202,19 @@ def dequantize(
     )
 
 
+def _check_qtypes(qtypes: torch.Tensor | None, num_layers: int) -> None:
+    if qtypes is not None and (
+        qtypes.dtype != torch.int32
+        or tuple(qtypes.shape) != (num_layers, len(QUANT_MATRICES))
+        or not qtypes.is_contiguous()
+        or not qtypes.is_cpu
+    ):
+        raise ValueError(
+            f"qtypes must be a contiguous CPU int32 tensor [num_layers, 4] = "
+            f"[{num_layers}, 4], got {tuple(qtypes.shape)} {qtypes.dtype} on {qtypes.device}"
+        )
+
+
 def decode_layers(
     h: torch.Tensor,
     layers: torch.Tensor,
@@ -204,21 +232,16 @@ def decode_layers(
     eps: float,
     scale: float,
     qtypes: torch.Tensor | None = None,
+    activations: str = "int16",
 ) -> None:
     """qtypes: None (every matrix a float tensor of h's dtype), or an int32 table [num_layers, 4]
     whose columns are QUANT_MATRICES: 0 for a float matrix, a QTYPE_CODES value for a matrix of
     GGUF blocks (rows of blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), whose
-    pointer the layers table then holds; quantized matrices need a float32 h."""
-    if qtypes is not None and (
-        qtypes.dtype != torch.int32
-        or tuple(qtypes.shape) != (layers.shape[0], len(QUANT_MATRICES))
-        or not qtypes.is_contiguous()
-        or not qtypes.is_cpu
-    ):
-        raise ValueError(
-            f"qtypes must be a contiguous CPU int32 tensor [num_layers, 4] = "
-            f"[{layers.shape[0]}, 4], got {tuple(qtypes.shape)} {qtypes.dtype} on {qtypes.device}"
-        )
+    pointer the layers table then holds; quantized matrices need a float32 h. activations: the
+    integers ("int16" or "int8", ACTIVATION_CODES) the matmuls on block matrices round their input
+    to, for the whole step (see kernels.quant.quantized_linear)."""
+    code = _activation_code(activations)
+    _check_qtypes(qtypes, layers.shape[0])
     _C.decode_layers(
         h=h.data_ptr(),
         layers=layers.data_ptr(),
@@ -244,4 +267,5 @@ def decode_layers(
         dtype_code=DTYPE_CODES[h.dtype],
         num_threads=torch.get_num_threads(),
         qtypes=0 if qtypes is None else qtypes.data_ptr(),
+        activations=code,
     )

@@ -7,11 +7,15 @@ value q d + m); byte j of a 4-bit block holds value j in its low nibble and valu
 one. quantize() makes one from float weights (the bytes gguf.quants.quantize makes), dequantize()
 is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in one C call.
 
-quantized_linear quantizes each row of x per block of 32 to int8 (dx = max|x| / 127, as llama.cpp's
-Q8 activations) and takes exact integer dot products with the weight blocks, scaled by d dx in
-float: so its result differs from x @ dequantize(w).T by at most the sum over blocks of dx / 2
-times the block's sum of |w|, plus float rounding. A row's result is bitwise the same whatever the
-other rows, M or the thread count; the instruction-set paths (cpu_isa()) differ by rounding only.
+quantized_linear quantizes each row of x per block of 32 to integers, int16 by default (dx =
+max|x| / 32767) or int8 (dx = max|x| / 127, as llama.cpp's Q8 activations), and takes exact integer
+dot products with the weight blocks, scaled by d dx in float: so its result differs from
+x @ dequantize(w).T by at most the sum over blocks of dx / 2 times the block's sum of |w|, plus
+float rounding. int8's error, 0.5-0.9% (relative norm) on SmolLM2-135M's matrices, flips its
+greedy answers; int16's is ~250x smaller, for half the products per multiply instruction: measured
+(bench/bench_quant.py, AVX-512 VNNI) 1.1-1.25x int8's time at M <= 4, 1.2-1.5x at M >= 32. A row's
+result is bitwise the same whatever the other rows, M or the thread count; the instruction-set
+paths (cpu_isa()) differ by rounding only.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ BLOCK_VALUES = 32  # values per block, along K
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 ISA_PATHS = ("portable", "avx2", "avx512")  # in order; NANOSERVE_ISA caps the choice
 ALIGNMENT = 64  # bytes; where a QuantizedWeight's data starts
+ACTIVATIONS = ("int16", "int8")  # quantized_linear's activations; the first is the default
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,17 +156,24 @@ def dequantize(w: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Te
 
 
 def quantized_linear(
-    x: torch.Tensor, w: QuantizedWeight, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    out: torch.Tensor | None = None,
+    *,
+    activations: str = ACTIVATIONS[0],
 ) -> torch.Tensor:
-    """x @ dequantize(w).T on int8 activations (see the module's docstring): x [M, K] float32,
-    contiguous, CPU; returns out [M, N] float32 (written in place when given). One C call, with
-    the GIL released; threads: torch.get_num_threads()."""
+    """x @ dequantize(w).T on x rounded per block of 32 to `activations` (one of ACTIVATIONS:
+    "int16", the default, or "int8"; see the module's docstring): x [M, K] float32, contiguous,
+    CPU; returns out [M, N] float32 (written in place when given). One C call, with the GIL
+    released; threads: torch.get_num_threads()."""
     _check_quantized_linear(x, w, out)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     _require_c()
     if out is None:
         out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     if out.numel():
-        c_backend.quant_linear(x, w.data, w.qtype, out)
+        c_backend.quant_linear(x, w.data, w.qtype, out, activations)
     return out
 
 
@@ -174,7 +186,8 @@ def cpu_isa() -> str:
 
 
 def uses_vnni() -> bool:
-    """Whether the AVX-512 path is in use with AVX512-VNNI's vpdpbusd."""
+    """Whether the AVX-512 path is in use with AVX512-VNNI's vpdpbusd (int8 activations) and
+    vpdpwssd (int16)."""
     _require_c()
     return bool(c_backend._C.quant_isa()[1])
 

@@ -34,14 +34,16 @@ static PyMethodDef methods[] = {
     {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
      "decode_layers(h, layers, num_layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
-     "head_dim, intermediate, eps, scale, dtype_code, num_threads, qtypes=0): a decode step of "
-     "up to GEMV_ROWS rows through every layer, h updated in place; pointers as ints. qtypes: "
-     "an int32 [num_layers, 4] table (qkv, o, gate_up, down) of GGML type ids of GGUF block "
-     "matrices, 0 for float ones (float32 activations only), or 0 for none."},
+     "head_dim, intermediate, eps, scale, dtype_code, num_threads, qtypes=0, activations=16): a "
+     "decode step of up to GEMV_ROWS rows through every layer, h updated in place; pointers as "
+     "ints. qtypes: an int32 [num_layers, 4] table (qkv, o, gate_up, down) of GGML type ids of "
+     "GGUF block matrices, 0 for float ones (float32 activations only), or 0 for none; "
+     "activations: 16 or 8, the integers those matrices' matmuls quantize their input to."},
     {"quant_linear", KW_FUNCTION(nanoserve_py_quant_linear), METH_VARARGS | METH_KEYWORDS,
-     "quant_linear(out, x, w, M, N, K, qtype, num_threads): out [M, N] float32 = x [M, K] "
-     "float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (2 Q4_0, 3 "
-     "Q4_1, 8 Q8_0); pointers as ints."},
+     "quant_linear(out, x, w, M, N, K, qtype, num_threads, activations=16): out [M, N] float32 "
+     "= x [M, K] float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (2 "
+     "Q4_0, 3 Q4_1, 8 Q8_0), x quantized per block to int16 (activations=16) or int8 (8); "
+     "pointers as ints."},
     {"quantize", KW_FUNCTION(nanoserve_py_quantize), METH_VARARGS | METH_KEYWORDS,
      "quantize(out, w, N, K, qtype, num_threads): w [N, K] float32 into N rows of GGUF blocks, "
      "the bytes of gguf.quants.quantize."},

@@ -156,10 +156,12 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
                    Py_ssize_t K, int dtype, int num_threads);
 
 /* quant.c: out [M, N] float32 = x [M, K] float32 times the transpose of w [N, K], a matrix of
- * GGUF blocks of GGML type qtype (NS_Q*); K a multiple of 32. Each out[m, n] depends on row m of x
- * and row n of w only (bitwise, whatever M, the other rows or the thread count). 0, or -1 when out
- * of memory. */
+ * GGUF blocks of GGML type qtype (NS_Q*); K a multiple of 32; x quantized per block of 32 to the
+ * integers act says (NS_ACT_*). Each out[m, n] depends on row m of x and row n of w only (bitwise,
+ * whatever M, the other rows or the thread count). 0, or -1 when out of memory. */
 enum ns_qtype { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };
+/* The activations' integers, by their bits (kernels/c_backend.py ACTIVATION_CODES). */
+enum ns_act { NS_ACT_INT8 = 8, NS_ACT_INT16 = 16 };
 enum { Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20 };
 
 /* Bytes of one block of the format with GGML type id qtype (NS_Q*), or 0 for no format. */
@@ -172,7 +174,9 @@ static inline size_t ns_block_bytes(int qtype) {
     }
 }
 int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
-                           Py_ssize_t K, int qtype, int num_threads);
+                           Py_ssize_t K, int qtype, int act, int num_threads);
+/* 0, or -1 with a ValueError naming fn when act is no NS_ACT_* code. */
+int nanoserve_check_activations(const char *fn, int act);
 
 /* norm_rope.c */
 void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,

@@ -67,23 +67,26 @@ int nanoserve_quant_init(void) {
 
 /* ---------------------------------------------------------------- the activations */
 
-/* The path's layout of the activations for format qtype. */
-static ns_xq_layout layout_of(int isa, int vnni, int qtype) {
+/* The path's layout of the activations for format qtype, int16 (wide) or int8. */
+static ns_xq_layout layout_of(int isa, int vnni, int qtype, int wide) {
 #if defined(__x86_64__) || defined(__i386__)
-    if (isa == NS_ISA_AVX512) return ns_layout_avx512(qtype, vnni);
-    if (isa == NS_ISA_AVX2) return ns_layout_avx2(qtype);
+    if (isa == NS_ISA_AVX512) return ns_layout_avx512(qtype, vnni, wide);
+    if (isa == NS_ISA_AVX2) return ns_layout_avx2(qtype, wide);
 #endif
     (void)isa, (void)vnni;
-    return ns_layout_portable(qtype);
+    return ns_layout_portable(qtype, wide);
 }
 
 /* One allocation (64-byte aligned parts) for M rows of K values; returns it, or NULL. */
 static void *xq_alloc(ns_xq *xq, const ns_xq_layout *l, Py_ssize_t M, Py_ssize_t K) {
     const Py_ssize_t groups = (K / QK + l->group - 1) / l->group;
+    const Py_ssize_t lanes = QK / l->pieces / l->width;
     xq->blocks = groups * l->group;
     xq->q_stride = xq->blocks * QK;
-    xq->lane_stride = xq->blocks * l->lanes;
-    const size_t q_bytes = ((size_t)(M * xq->q_stride) + 63) & ~(size_t)63;
+    xq->lane_stride = xq->blocks * lanes;
+    xq->wide = l->wide;
+    const size_t elem = l->wide ? sizeof(int16_t) : sizeof(int8_t);
+    const size_t q_bytes = ((size_t)(M * xq->q_stride) * elem + 63) & ~(size_t)63;
     const size_t lane_bytes = ((size_t)(M * xq->lane_stride) * 4 + 63) & ~(size_t)63;
     char *base = aligned_alloc(64, q_bytes + 3 * lane_bytes + 64);
     if (!base) return NULL;
@@ -94,65 +97,64 @@ static void *xq_alloc(ns_xq *xq, const ns_xq_layout *l, Py_ssize_t M, Py_ssize_t
     return base;
 }
 
-/* v = round(x / dx) with dx = max|x| / 127, as llama.cpp's Q8 activations (halves to even);
- * returns dx. The same on every path, so the integer dot products are too. Written so that GCC
- * vectorises it: max|x| as an integer max of the bit patterns (monotonic for |x|, and a NaN wins,
- * making every output NaN), the clamp as selects. */
-static float quantize_block(int8_t *v, const float *x) {
+/* v = round(x / dx) with dx = max|x| / levels (127: llama.cpp's Q8 activations; 32767),
+ * halves to even; returns dx. The same on every path, so the integer dot products are too.
+ * Written so that GCC vectorises it: max|x| as an integer max of the bit patterns (monotonic for
+ * |x|, and a NaN wins, making every output NaN), the clamp as selects. */
+static float quantize_block(int16_t *v, const float *x, const float levels) {
     uint32_t amax_bits = 0;
     for (int j = 0; j < QK; j++) {
         const uint32_t a = ns_f32_to_bits(x[j]) & 0x7fffffffu;
         amax_bits = a > amax_bits ? a : amax_bits;
     }
-    const float dx = ns_bits_to_f32(amax_bits) / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+    const float dx = ns_bits_to_f32(amax_bits) / levels, id = dx != 0.0f ? 1.0f / dx : 0.0f;
     for (int j = 0; j < QK; j++) {
         const float r = rintf(x[j] * id);
-        v[j] = (int8_t)(int)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        v[j] = (int16_t)(int)(r > levels ? levels : r < -levels ? -levels : r);
     }
     return dx;
 }
 
-/* The sums of the values each of a block's `lanes` int32 lanes covers (see ns_xq_layout). */
-static void lane_sums(int32_t *s, const int8_t *v, const ns_xq_layout *l) {
-    for (int i = 0; i < l->lanes; i++) {
+/* The sums of the values each of a block's lanes covers (see ns_xq_layout). */
+static void lane_sums(int32_t *s, const int16_t *v, const ns_xq_layout *l) {
+    const int piece = QK / l->pieces, lanes = piece / l->width;
+    for (int i = 0; i < lanes; i++) {
         int32_t sum = 0;
-        if (l->lanes == 1)
-            for (int j = 0; j < QK; j++) sum += v[j];
-        else if (l->split)
-            for (int j = 0; j < 4; j++) sum += v[4 * i + j] + v[QK / 2 + 4 * i + j];
-        else
-            for (int j = 0; j < 4; j++) sum += v[4 * i + j];
+        for (int p = 0; p < l->pieces; p++)
+            for (int j = 0; j < l->width; j++) sum += v[p * piece + l->width * i + j];
         s[i] = sum;
     }
 }
 
-/* Block b's values into the row's q (in order, or split into halves by group), and its lanes. */
+/* Block b's values into the row's q, each piece where its group has it, and its lanes. */
 static void place_block(const ns_xq *xq, const ns_xq_layout *l, Py_ssize_t m, Py_ssize_t b,
-                        const int8_t *v, float dx) {
-    int8_t *q = xq->q + m * xq->q_stride;
-    if (l->split) {
-        const Py_ssize_t g = b / l->group, i = b % l->group;
-        memcpy(q + g * l->group * QK + i * QK / 2, v, QK / 2);
-        memcpy(q + g * l->group * QK + (l->group + i) * QK / 2, v + QK / 2, QK / 2);
-    } else {
-        memcpy(q + b * QK, v, QK);
+                        const int16_t *v, float dx) {
+    const int piece = QK / l->pieces, lanes = piece / l->width;
+    const Py_ssize_t g = b / l->group, i = b % l->group;
+    for (int p = 0; p < l->pieces; p++) {
+        const Py_ssize_t at = m * xq->q_stride + g * l->group * QK + (p * l->group + i) * piece;
+        if (l->wide)
+            memcpy(xq->q16 + at, v + p * piece, (size_t)piece * sizeof(int16_t));
+        else
+            for (int j = 0; j < piece; j++) xq->q[at + j] = (int8_t)v[p * piece + j];
     }
-    int32_t s[8];
+    int32_t s[QK];
     lane_sums(s, v, l);
-    const Py_ssize_t at = m * xq->lane_stride + b * l->lanes;
-    for (int i = 0; i < l->lanes; i++) {
-        xq->dx[at + i] = dx;
-        xq->sx[at + i] = dx * (float)s[i];
-        xq->corr[at + i] = -l->corr * s[i];
+    const Py_ssize_t at = m * xq->lane_stride + b * lanes;
+    for (int k = 0; k < lanes; k++) {
+        xq->dx[at + k] = dx;
+        xq->sx[at + k] = dx * (float)s[k];
+        xq->corr[at + k] = -l->corr * s[k];
     }
 }
 
 /* Row m of x, quantized (padding blocks are zeros). */
 static void quantize_x_row(const ns_xq *xq, const ns_xq_layout *l, const float *x, Py_ssize_t m,
                            Py_ssize_t K) {
+    const float levels = l->wide ? 32767.0f : 127.0f;
     for (Py_ssize_t b = 0; b < xq->blocks; b++) {
-        int8_t v[QK] = {0};
-        const float dx = b < K / QK ? quantize_block(v, x + m * K + b * QK) : 0.0f;
+        int16_t v[QK] = {0};
+        const float dx = b < K / QK ? quantize_block(v, x + m * K + b * QK, levels) : 0.0f;
         place_block(xq, l, m, b, v, dx);
     }
 }
@@ -171,9 +173,9 @@ static qmm_fn kernel_of(int isa, int vnni) {
 }
 
 int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
-                           Py_ssize_t K, int qtype, int num_threads) {
+                           Py_ssize_t K, int qtype, int act, int num_threads) {
     const int isa = isa_in_use, vnni = vnni_in_use;
-    const ns_xq_layout l = layout_of(isa, vnni, qtype);
+    const ns_xq_layout l = layout_of(isa, vnni, qtype, act != NS_ACT_INT8);
     ns_xq xq;
     void *base = xq_alloc(&xq, &l, M, K);
     if (!base) return -1;
@@ -198,12 +200,14 @@ int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t
 
 PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    static char *kwlist[] = {"out", "x", "w", "M", "N", "K", "qtype", "num_threads", NULL};
+    static char *kwlist[] = {"out", "x", "w", "M", "N", "K", "qtype", "num_threads",
+                             "activations", NULL};
     unsigned long long out, x, w;
     Py_ssize_t M, N, K;
-    int qtype, num_threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKnnnii", kwlist, &out, &x, &w, &M, &N, &K,
-                                     &qtype, &num_threads))
+    int qtype, num_threads, act = NS_ACT_INT16;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKnnnii|i", kwlist, &out, &x, &w, &M, &N, &K,
+                                     &qtype, &num_threads, &act) ||
+        nanoserve_check_activations("quant_linear", act) < 0)
         return NULL;
     if (!ns_block_bytes(qtype) || M < 0 || N < 0 || K < 0 || K % QK || num_threads < 1) {
         PyErr_Format(PyExc_ValueError, "quant_linear: qtype code %d, [M, N, K] = [%zd, %zd, %zd] "
@@ -215,10 +219,18 @@ PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kw
     Py_BEGIN_ALLOW_THREADS;
     if (M > 0 && N > 0)
         rc = nanoserve_quant_matmul((float *)(uintptr_t)out, (const float *)(uintptr_t)x,
-                                    (const void *)(uintptr_t)w, M, N, K, qtype, num_threads);
+                                    (const void *)(uintptr_t)w, M, N, K, qtype, act,
+                                    num_threads);
     Py_END_ALLOW_THREADS;
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+int nanoserve_check_activations(const char *fn, int act) {
+    if (act == NS_ACT_INT8 || act == NS_ACT_INT16) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: activations code %d is neither 16 (int16) nor 8 (int8)",
+                 fn, act);
+    return -1;
 }
 
 /* (path, vnni) */

@@ -9,7 +9,9 @@
  * (two for Q8_0) and one vpermw spread each block's fp16 d (and m) over its lanes. With VNNI,
  * Q8_0's signed weights go in as q + 128 (unsigned) and the activations' lane sums times 128 come
  * off in the dot's starting value, as Q4_0's zero point 8 does; without, the sign trick of the
- * AVX2 path.
+ * AVX2 path. With int16 activations (quant_avx512_i16.inc) each block's values go in quarters of
+ * 8, one 128-bit lane of int16 each, the weights widened as they are unpacked, and vpdpwssd (VNNI)
+ * or vpmaddwd + vpaddd takes the products.
  */
 #include "quant.h"
 
@@ -17,17 +19,20 @@
 #include <immintrin.h>
 #include <stdlib.h>
 
-/* GEMM tiles of MR rows by NR columns, GEMV tiles of NR_GEMV columns, as measured: 4 x 3 tiles
- * beat 4 x 2, 4 x 4, 6 x 2, 6 x 3 and 8 x 2 by 3-10% at M = 256, two columns at a time beat one
- * by ~10% at M = 4. A panel of unpacked weights takes at most PANEL_BYTES, to stay in L1/L2. */
-enum { MR = 4, NR = 3, NR_GEMV = 2, GEMV_ROWS = 4, PANEL_BYTES = 32 << 10 };
+/* A panel of unpacked weights takes at most PANEL_BYTES, to stay in L1/L2; the GEMV takes up to
+ * GEMV_ROWS rows. The tiles' sizes (MR, NR, NR_GEMV) are set in quant_avx512.inc. */
+enum { GEMV_ROWS = 4, PANEL_BYTES = 32 << 10 };
 
 /* Blocks per group, one per 128-bit lane, whatever the format. */
 #define GROUP(qtype) 4
 
-ns_xq_layout ns_layout_avx512(int qtype, int vnni) {
+ns_xq_layout ns_layout_avx512(int qtype, int vnni, int wide) {
+    /* int16: each block's values in quarters of 8 (one 128-bit lane of int16 each), vpmaddwd /
+     * vpdpwssd adding 2 a lane; signed weights need no offset. */
+    if (wide) return (ns_xq_layout){GROUP(qtype), 4, 2, qtype == NS_Q4_0 ? 8 : 0, 1};
+    /* int8: halves of 16 bytes, maddubs + madd / vpdpbusd adding 4 a lane. */
     const int corr = qtype == NS_Q4_0 ? 8 : qtype == NS_Q8_0 && vnni ? 128 : 0;
-    return (ns_xq_layout){GROUP(qtype), 4, 1, corr};
+    return (ns_xq_layout){GROUP(qtype), 2, 4, corr, 0};
 }
 
 /* vpermt2w indices (16-bit words of a group's first 64 bytes, then 32 on for Q8_0's second load
@@ -53,7 +58,18 @@ static const uint16_t HEADS_Q8_0[32] = {REP4(0), REP4(17), REP4(32), REP4(49)};
 #define NAME(f) f##_vnni
 #include "quant_avx512.inc"
 
-void ns_qmm_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) { qmm_plain(a, n0, n1); }
-void ns_qmm_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) { qmm_vnni(a, n0, n1); }
+void ns_qmm_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    if (a->x->wide)
+        qmm_i16_plain(a, n0, n1);
+    else
+        qmm_plain(a, n0, n1);
+}
+
+void ns_qmm_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    if (a->x->wide)
+        qmm_i16_vnni(a, n0, n1);
+    else
+        qmm_vnni(a, n0, n1);
+}
 
 #endif

@@ -4,17 +4,21 @@
  */
 #include "quant.h"
 
-ns_xq_layout ns_layout_portable(int qtype) {
+ns_xq_layout ns_layout_portable(int qtype, int wide) {
     /* Blocks one at a time, values in order, one lane: the Q4_0 zero point as a correction. */
-    return (ns_xq_layout){1, 1, 0, qtype == NS_Q4_0 ? 8 : 0};
+    return (ns_xq_layout){1, 1, QK, qtype == NS_Q4_0 ? 8 : 0, wide};
 }
 
-/* sum_j q_j x_j over a 4-bit block's stored nibbles (0..15). */
-static int32_t dot_nibbles(const uint8_t *qs, const int8_t *x) {
-    int32_t s = 0;
-    for (int j = 0; j < QK / 2; j++) s += (qs[j] & 15) * x[j] + (qs[j] >> 4) * x[j + QK / 2];
-    return s;
-}
+/* sum_j q_j x_j over a 4-bit block's stored nibbles (0..15), for int8 and int16 x; exact in
+ * int32 (|sum| <= 32 x 15 x 32767). */
+#define DOT_NIBBLES(name, xtype)                                                                  \
+    static int32_t name(const uint8_t *qs, const xtype *x) {                                      \
+        int32_t s = 0;                                                                            \
+        for (int j = 0; j < QK / 2; j++) s += (qs[j] & 15) * x[j] + (qs[j] >> 4) * x[j + QK / 2]; \
+        return s;                                                                                 \
+    }
+DOT_NIBBLES(dot_nibbles, int8_t)
+DOT_NIBBLES(dot_nibbles16, int16_t)
 
 static int32_t dot_int8(const int8_t *qs, const int8_t *x) {
     int32_t s = 0;
@@ -22,25 +26,35 @@ static int32_t dot_int8(const int8_t *qs, const int8_t *x) {
     return s;
 }
 
+static int32_t dot_int8_16(const int8_t *qs, const int16_t *x) {
+    int32_t s = 0;
+    for (int j = 0; j < QK; j++) s += qs[j] * x[j];
+    return s;
+}
+
+/* The exact integer dot of block b of a weight row (its quantized values, as stored) and of row m
+ * of the activations, Q4_0's zero point included. */
+static int32_t block_dot(const char *blk, const ns_xq *xq, Py_ssize_t m, Py_ssize_t b, int qtype) {
+    const Py_ssize_t at = m * xq->q_stride + b * QK;
+    const int8_t *q8 = (const int8_t *)blk + 2;
+    const uint8_t *qs = (const uint8_t *)blk + (qtype == NS_Q4_1 ? 4 : 2);
+    int32_t dot;
+    if (xq->wide)
+        dot = qtype == NS_Q8_0 ? dot_int8_16(q8, xq->q16 + at) : dot_nibbles16(qs, xq->q16 + at);
+    else
+        dot = qtype == NS_Q8_0 ? dot_int8(q8, xq->q + at) : dot_nibbles(qs, xq->q + at);
+    return qtype == NS_Q4_0 ? dot + xq->corr[m * xq->lane_stride + b] : dot;
+}
+
 /* out[m, n] for one row of blocks and row m of the activations. */
 static float dot_row(const char *row, const ns_xq *xq, Py_ssize_t m, Py_ssize_t nb, int qtype) {
-    const int8_t *x = xq->q + m * xq->q_stride;
     const float *dx = xq->dx + m * xq->lane_stride, *sx = xq->sx + m * xq->lane_stride;
-    const int32_t *corr = xq->corr + m * xq->lane_stride;
     const size_t bb = ns_block_bytes(qtype);
     float acc = 0.0f;
     for (Py_ssize_t b = 0; b < nb; b++) {
         const char *blk = row + (size_t)b * bb;
-        const float d = ns_f16_at(blk);
-        if (qtype == NS_Q8_0) {
-            acc += (float)dot_int8((const int8_t *)blk + 2, x + b * QK) * (d * dx[b]);
-        } else if (qtype == NS_Q4_0) {
-            const int32_t dot = dot_nibbles((const uint8_t *)blk + 2, x + b * QK) + corr[b];
-            acc += (float)dot * (d * dx[b]);
-        } else {
-            acc += (float)dot_nibbles((const uint8_t *)blk + 4, x + b * QK) * (d * dx[b]);
-            acc += ns_f16_at(blk + 2) * sx[b];
-        }
+        acc += (float)block_dot(blk, xq, m, b, qtype) * (ns_f16_at(blk) * dx[b]);
+        if (qtype == NS_Q4_1) acc += ns_f16_at(blk + 2) * sx[b];
     }
     return acc;
 }
