@@ -20,7 +20,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from nanoserve.config import DTYPES, EngineConfig, ServerConfig
+from nanoserve.config import DTYPES, QUANTIZATIONS, EngineConfig, ServerConfig
 
 
 class UsageError(Exception):
@@ -142,7 +142,19 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     d, add = EngineConfig(), parser.add_argument
-    add("--dtype", default=d.dtype, choices=DTYPES, help="of weights, activations and KV cache")
+    add(
+        "--dtype",
+        default=d.dtype,
+        choices=(*DTYPES, "auto"),
+        help="of activations, float weights and KV cache; auto: the fastest correct one here",
+    )
+    add(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=d.quantization,
+        help="q8_0/q4_0/q4_1: quantize a float checkpoint's matrices at load (CPU, float32); "
+        "none: de-quantize a GGUF's (default: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in blocks)",
+    )
     add("--device", default=d.device, help="cpu, or cuda[:N]")
     add("--block-size", type=int, default=d.block_size, help="tokens per KV block (a power of 2)")
     add(

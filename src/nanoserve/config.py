@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Block formats weights may be kept in (the C kernels'), and "none" to de-quantize a GGUF's.
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "none")
 
 
 def cache_dir() -> Path:
@@ -27,7 +29,7 @@ class EngineConfig:
     """How the engine runs: dtype, device, cache geometry, batch budgets and how many processes
     (tensor parallelism) share the model."""
 
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto": the fastest correct one on the device (see engine.py)
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -42,10 +44,14 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + cache
     cuda_graphs: bool = True  # CUDA: replay decode steps from captured graphs (not with TP > 1)
     tensor_parallel_size: int = 1  # processes (and devices) the model is split across
+    # None: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks (CPU, float32, one process);
+    # "q8_0"... quantizes a float checkpoint's matrices at load; "none" de-quantizes a GGUF's.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         checks = {
-            "dtype": self.dtype in DTYPES,
+            "dtype": self.dtype in (*DTYPES, "auto"),
+            "quantization": self.quantization is None or self.quantization in QUANTIZATIONS,
             "block_size": self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
             "num_kv_blocks": self.num_kv_blocks is None or self.num_kv_blocks > 0,
             "kv_cache_memory_gb": self.kv_cache_memory_gb > 0,

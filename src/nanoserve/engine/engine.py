@@ -18,7 +18,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.kv_cache import BlockAllocator, cdiv
-from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.model_runner import ModelRunner, resolve_dtype
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import Logprob, SampleRow, SamplingParams, mix_seed, sample
@@ -60,8 +60,8 @@ class EngineStats:
 class Engine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None):
         """`model`: a Hugging Face checkpoint directory or a GGUF file."""
-        self.config = config = config or EngineConfig()
         checkpoint = open_checkpoint(model)
+        self.config = config = resolve_dtype(config or EngineConfig(), checkpoint)
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids

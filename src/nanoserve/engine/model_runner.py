@@ -9,8 +9,9 @@ runner holding its slices and its heads' cache; rank 0's sends each step's input
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,10 +23,13 @@ from nanoserve.engine.sampling import Logprob, token_logprobs
 from nanoserve.model import hugepages
 from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.model.cpu_step import CpuDecodeStep
+from nanoserve.model.linear import onednn_packs
 from nanoserve.model.llama import KVCaches, Llama
 from nanoserve.model.loader import LlamaWeights, load_weights
 from nanoserve.model.parallel import SINGLE, Parallel
+from nanoserve.model.quantized import formats, quantize_matrices
 
+log = logging.getLogger(__name__)
 TokenLogprobs = dict[int, Logprob]
 SCORING_ROWS = 256  # prompt positions scored at a time (each makes a row of vocabulary logits)
 
@@ -77,13 +81,26 @@ class ModelRunner:
 
     def _load(self, checkpoint: Checkpoint) -> LlamaWeights:
         """This rank's weights on its device. Under tensor parallelism the checkpoint is read into
-        host memory and cut there, so that a device holds only its slices."""
-        whole = self.parallel.size == 1
-        raw = checkpoint.read_tensors(self.config.torch_dtype, self.device if whole else "cpu")
+        host memory and cut there, so that a device holds only its slices. On a CPU, in one
+        process and in float32, matrices may stay in GGUF blocks: a GGUF's own (unless
+        quantization="none"), or a float checkpoint's quantized at load (quantization="q8_0"...)."""
+        c, whole = self.config, self.parallel.size == 1
+        blocks = whole and self.device.type == "cpu" and c.dtype == "float32"
+        if c.quantization not in (None, "none") and not blocks:
+            raise ValueError(
+                f"quantization={c.quantization!r} needs dtype float32 on a CPU in one process "
+                f"(here dtype {c.dtype}, device {self.device}, {self.parallel.size} processes)"
+            )
+        keep = blocks and c.quantization != "none"
+        raw = checkpoint.read_tensors(c.torch_dtype, self.device if whole else "cpu", keep)
+        if c.quantization not in (None, "none"):
+            raw = quantize_matrices(raw, c.quantization)  # type: ignore[arg-type]
         place = _to(self.device) if not whole else None
         if self.device.type == "cpu":
             place = hugepages.pack
-        return load_weights(raw, checkpoint.config, place, self.parallel)
+        weights = load_weights(raw, checkpoint.config, place, self.parallel)
+        log.info("weights: %s", _describe(weights, c.dtype))
+        return weights
 
     @torch.inference_mode()
     def forward(
@@ -192,6 +209,36 @@ def _to(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tenso
         return [copies[id(t)] for t in tensors]
 
     return place
+
+
+def resolve_dtype(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
+    """dtype "auto": the fastest correct dtype for the device. CUDA: bfloat16. CPU: float32 when
+    the weights are (or will be) GGUF blocks, whose kernels take float32 activations; else
+    bfloat16 where oneDNN multiplies it natively (AVX-512 BF16, AMX), float32 elsewhere (an
+    emulated bfloat16 matmul is slower than float32)."""
+    if config.dtype != "auto":
+        return config
+    if config.device.startswith("cuda"):
+        dtype, why = "bfloat16", "a GPU"
+    elif config.quantization not in (None, "none") or (
+        config.quantization is None and checkpoint.block_formats()
+    ):
+        dtype, why = "float32", "weights in GGUF blocks take float32 activations"
+    elif onednn_packs(torch.bfloat16):
+        dtype, why = "bfloat16", "this CPU multiplies bfloat16 natively"
+    else:
+        dtype, why = "float32", "this CPU has no native bfloat16 matmul"
+    log.info("dtype auto: %s (%s)", dtype, why)
+    return replace(config, dtype=dtype)
+
+
+def _describe(weights: LlamaWeights, dtype: str) -> str:
+    """How the matrices are kept, e.g. '120 matrices in q4_1 blocks, 1 in q8_0 blocks'."""
+    layers = weights.layers
+    matrices = [m.weight for x in layers for m in (x.qkv, x.o, x.gate_up, x.down)]
+    counts = formats([*matrices, weights.lm_head.weight])
+    parts = [f"{n} in {k} blocks" if k != "float" else f"{n} in {dtype}" for k, n in counts.items()]
+    return f"{sum(counts.values())} matrices: " + ", ".join(parts)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.gguf_file import GGUFCheckpoint, is_gguf
 from nanoserve.model.loader import read_checkpoint
+from nanoserve.model.quantized import Weight
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -21,9 +22,16 @@ class Checkpoint(Protocol):
 
     def tokenizer(self) -> Tokenizer: ...
 
+    def block_formats(self) -> list[str]:
+        """Block formats of its matrices that the CPU kernels take as they are (GGUF)."""
+        ...
+
     def read_tensors(
-        self, dtype: torch.dtype, device: str | torch.device
-    ) -> dict[str, torch.Tensor]: ...
+        self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
+    ) -> dict[str, Weight]:
+        """Every tensor under its Hugging Face name; with keep_blocks, a matrix stored in a block
+        format the CPU kernels take stays in its blocks."""
+        ...
 
 
 class HFCheckpoint:
@@ -34,10 +42,13 @@ class HFCheckpoint:
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_dir(self.path)
 
+    def block_formats(self) -> list[str]:
+        return []
+
     def read_tensors(
-        self, dtype: torch.dtype, device: str | torch.device
-    ) -> dict[str, torch.Tensor]:
-        return read_checkpoint(self.path, dtype, device)
+        self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
+    ) -> dict[str, Weight]:
+        return dict(read_checkpoint(self.path, dtype, device))  # stored as floats
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, c_backend
+from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedWeight, c_backend
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.loader import LayerWeights
@@ -29,7 +29,7 @@ class CpuDecodeStep:
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.weights = [
             [
-                t.data_ptr()
+                _address(t)
                 for t in (
                     layer.input_norm,
                     layer.qkv.weight,
@@ -41,14 +41,21 @@ class CpuDecodeStep:
             ]
             for layer in layers
         ]
+        # Per layer, the block format of qkv, o, gate_up and down (0: float); None if all float.
+        codes = [[_qtype_code(m.weight) for m in _matrices(layer)] for layer in layers]
+        self.qtypes = torch.tensor(codes, dtype=torch.int32) if any(map(any, codes)) else None
         self._caches: list[torch.Tensor] = []  # the cache tensors behind self._table
         self._table = torch.empty(0, dtype=torch.uint64)
 
     @staticmethod
     def supported(layers: list[LayerWeights]) -> bool:
-        """Every matrix takes the C GEMV (CPU, float32 or bfloat16, C kernels on)."""
-        matrices = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return c_backend.enabled() and all(m.gemv for m in matrices)
+        """Every matrix takes the C GEMV (CPU, float32 or bfloat16, C kernels on) or is kept in
+        GGUF blocks (then with float32 activations)."""
+        matrices = [m for layer in layers for m in _matrices(layer)]
+        blocks = any(isinstance(m.weight, QuantizedWeight) for m in matrices)
+        floats_ok = all(m.gemv or isinstance(m.weight, QuantizedWeight) for m in matrices)
+        dtype = layers[0].input_norm.dtype if layers else torch.float32
+        return c_backend.enabled() and floats_ok and not (blocks and dtype != torch.float32)
 
     def applies(self, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
         """A decode-only step of 1-4 tokens whose metadata has the C step's types and shapes."""
@@ -94,6 +101,7 @@ class CpuDecodeStep:
             intermediate=c.intermediate_size,
             eps=c.rms_norm_eps,
             scale=self.scale,
+            qtypes=self.qtypes,
         )
 
     def _pointers(self, kv_caches: KVCaches, dtype: torch.dtype) -> torch.Tensor:
@@ -119,3 +127,15 @@ class CpuDecodeStep:
         ]
         self._caches, self._table = caches, torch.tensor(rows, dtype=torch.uint64)
         return self._table
+
+
+def _matrices(layer: LayerWeights) -> tuple:
+    return (layer.qkv, layer.o, layer.gate_up, layer.down)
+
+
+def _address(w: torch.Tensor | QuantizedWeight) -> int:
+    return w.data.data_ptr() if isinstance(w, QuantizedWeight) else w.data_ptr()
+
+
+def _qtype_code(w: torch.Tensor | QuantizedWeight) -> int:
+    return c_backend.QTYPE_CODES[w.qtype] if isinstance(w, QuantizedWeight) else 0

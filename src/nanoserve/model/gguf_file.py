@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,16 @@ import torch
 
 from nanoserve.config import cache_dir
 from nanoserve.gguf_tokenizer import UnsupportedTokenizer, tokenizer_from_gguf
+from nanoserve.kernels import QuantizedWeight, aligned_bytes
 from nanoserve.model.config import ModelConfig, RopeConfig
+from nanoserve.model.quantized import Weight
 from nanoserve.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType
 DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ARCHITECTURES = ("llama",)
+KEPT = (Q.Q8_0, Q.Q4_0, Q.Q4_1)  # kept in their blocks by the CPU kernels (kernels.QUANT_TYPES)
 INDEX_VERSION = 1
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
@@ -68,25 +73,42 @@ class GGUFCheckpoint:
         self.tensors: dict[str, dict[str, Any]] = self.index["tensors"]
         self.config = self._model_config()
 
+    def block_formats(self) -> list[str]:
+        """The block formats of the file's matrices that the CPU kernels take as they are."""
+        kept = {Q(i["type"]) for i in self.tensors.values() if len(i["shape"]) == 2} & set(KEPT)
+        return sorted(q.name.lower() for q in kept)
+
     def tokenizer(self) -> Tokenizer:
         t = self.index["tokenizer"]
         return Tokenizer(tokenizers.Tokenizer.from_str(t["json"]), t["config"], t["template"])
 
     def read_tensors(
-        self, dtype: torch.dtype, device: str | torch.device
-    ) -> dict[str, torch.Tensor]:
-        """Every weight, de-quantized to `dtype` on `device`, under its Hugging Face name."""
+        self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
+    ) -> dict[str, Weight]:
+        """Every weight under its Hugging Face name, de-quantized to `dtype` on `device`; with
+        keep_blocks, a matrix in a format the CPU kernels take (KEPT) stays in its blocks."""
         c, weights = self.config, {}
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         for name, info in self.tensors.items():
             if name == ROPE_FREQS:
                 continue  # in the config's rope factors
+            heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(name.split(".")[-2])
+            if keep_blocks and Q(info["type"]) in KEPT and len(info["shape"]) == 2:
+                raw = data[info["offset"] : info["offset"] + info["bytes"]]
+                rows = raw.reshape(info["shape"][0], -1)
+                rows = _unpermute(rows, heads) if heads else rows
+                qtype = Q(info["type"]).name.lower()
+                weight = QuantizedWeight(aligned_bytes(rows.copy()), qtype, tuple(info["shape"]))
+                weights[_hf_name(name)] = weight
+                continue
             values = _dequantize(data, info)
-            if name.endswith("attn_q.weight"):
-                values = _unpermute(values, c.num_heads)
-            elif name.endswith("attn_k.weight"):
-                values = _unpermute(values, c.num_kv_heads)
+            values = _unpermute(values, heads) if heads else values
             weights[_hf_name(name)] = torch.from_numpy(values).to(device=device, dtype=dtype)
+        dequantized = sorted({Q(i["type"]).name for i in self.tensors.values()} - {"F32"})
+        if keep_blocks:
+            dequantized = [n for n in dequantized if Q.__members__[n] not in KEPT]
+        if dequantized:
+            log.info("%s: %s de-quantized to %s", self.path.name, ", ".join(dequantized), dtype)
         return weights
 
     def _get(self, key: str, default: Any = None) -> Any:

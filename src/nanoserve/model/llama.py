@@ -19,6 +19,7 @@ from nanoserve.model.attention import AttentionMetadata, attention
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.loader import LlamaWeights
 from nanoserve.model.parallel import SINGLE, Parallel
+from nanoserve.model.quantized import QuantizedWeight, embed_rows
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -51,7 +52,7 @@ class Llama:
         self.parallel = parallel
         self.num_heads = config.num_heads // parallel.size  # this rank's
         self.num_kv_heads = config.num_kv_heads // parallel.size
-        device, dtype = weights.embed.device, weights.embed.dtype
+        device, dtype = weights.norm.device, weights.norm.dtype
         cos, sin = rope_cos_sin(config.rope, config.head_dim, max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
@@ -77,12 +78,18 @@ class Llama:
         rows: torch.Tensor,
     ) -> torch.Tensor:
         """The final (normed) hidden states [len(rows), hidden] of the given packed rows."""
-        h = self.parallel.embed(self.weights.embed, input_ids)  # [num_tokens, hidden], a copy
+        h = self._embed(input_ids)  # [num_tokens, hidden], a copy
         if self.fast_decode is not None and self.fast_decode.applies(positions, meta):
             self.fast_decode(h, positions, kv_caches, meta, self.cos, self.sin)  # h in place
         else:
             h = self._layers(h, positions, kv_caches, meta)
         return rms_norm(h[rows], self.weights.norm, self.config.rms_norm_eps)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.weights.embed
+        if isinstance(table, QuantizedWeight):  # one process (blocks are not sharded)
+            return embed_rows(table, ids)
+        return self.parallel.embed(table, ids)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32. Under tensor parallelism a collective: every rank must call it

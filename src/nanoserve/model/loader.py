@@ -1,9 +1,9 @@
 """From a checkpoint's tensors to the forward pass's weights: fuses q/k/v and gate/up into one
 matrix each, ties the output projection to the embedding where the checkpoint does, keeps this
 rank's slices under tensor parallelism (model/parallel.py), and wraps every matrix in a `Linear`
-(which packs it for the device's fastest matmul). Where the weights live is the caller's choice
-(`place`). Also reads a Hugging Face checkpoint's safetensors (single
-file or shards). Owns nothing after loading.
+(which packs it for the device's fastest matmul) or, for a matrix kept in GGUF blocks, a
+`QuantLinear`. Where the weights live is the caller's choice (`place`). Also reads a Hugging Face
+checkpoint's safetensors (single file or shards). Owns nothing after loading.
 """
 
 from __future__ import annotations
@@ -19,26 +19,30 @@ from safetensors import safe_open
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.linear import Linear
 from nanoserve.model.parallel import SINGLE, Parallel, shard
+from nanoserve.model.quantized import QuantizedWeight, QuantLinear, Weight, cat_rows, placed
 
 # Each layer's tensors in `fuse`'s flat list, in this order.
 LAYER_TENSORS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
 
 
+Matrix = Linear | QuantLinear
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: Linear
+    qkv: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: Matrix
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Matrix  # [2 * intermediate, hidden]
+    down: Matrix
 
 
 @dataclass
 class LlamaWeights:
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: Weight  # [vocab, hidden], floats or GGUF blocks
     norm: torch.Tensor
-    lm_head: Linear  # the embedding itself when tied
+    lm_head: Matrix  # the embedding itself when tied
     layers: list[LayerWeights]
 
 
@@ -46,7 +50,7 @@ Placement = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def load_weights(
-    raw: dict[str, torch.Tensor],
+    raw: dict[str, Weight],
     config: ModelConfig,
     place: Placement | None = None,
     parallel: Parallel = SINGLE,
@@ -56,7 +60,7 @@ def load_weights(
     twice is the same copy twice), then packed."""
     tensors = shard(fuse(raw, config), config, parallel)
     if place is not None:
-        tensors = place(tensors)
+        tensors = placed(tensors, place)
     return pack(tensors, config.num_layers)
 
 
@@ -87,7 +91,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     )
 
 
-def fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> list[torch.Tensor]:
+def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
     """[embed, lm_head, norm, then LAYER_TENSORS of every layer], q/k/v and gate/up fused. Takes
     the tensors out of `weights` (emptied), so that the separate matrices are freed once fused."""
     lm_head = weights.pop("lm_head.weight", None)
@@ -98,34 +102,43 @@ def fuse(weights: dict[str, torch.Tensor], config: ModelConfig) -> list[torch.Te
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
 
-        def take(name: str, p: str = p) -> torch.Tensor:
+        def take(name: str, p: str = p) -> Weight:
             return weights.pop(p + name)
 
         tensors += [
             take("input_layernorm.weight"),
-            torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            cat_rows([take(f"self_attn.{n}_proj.weight") for n in "qkv"]),
             take("self_attn.o_proj.weight"),
             take("post_attention_layernorm.weight"),
-            torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+            cat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
             take("mlp.down_proj.weight"),
         ]
     return tensors
 
 
-def pack(tensors: list[torch.Tensor], num_layers: int) -> LlamaWeights:
-    """The flat list from `fuse` as LlamaWeights, every matrix a Linear."""
+def pack(tensors: list[Weight], num_layers: int) -> LlamaWeights:
+    """The flat list from `fuse` as LlamaWeights, every matrix a Linear (or QuantLinear)."""
     embed, lm_head, norm, *rest = tensors
     layers = []
     for i in range(num_layers):
         t = dict(zip(LAYER_TENSORS, rest[i * 6 : (i + 1) * 6], strict=True))
         layers.append(
             LayerWeights(
-                input_norm=t["input_norm"],
-                qkv=Linear(t["qkv"]),
-                o=Linear(t["o"]),
-                post_norm=t["post_norm"],
-                gate_up=Linear(t["gate_up"]),
-                down=Linear(t["down"]),
+                input_norm=_float(t["input_norm"]),
+                qkv=matrix(t["qkv"]),
+                o=matrix(t["o"]),
+                post_norm=_float(t["post_norm"]),
+                gate_up=matrix(t["gate_up"]),
+                down=matrix(t["down"]),
             )
         )
-    return LlamaWeights(embed=embed, norm=norm, lm_head=Linear(lm_head), layers=layers)
+    return LlamaWeights(embed=embed, norm=_float(norm), lm_head=matrix(lm_head), layers=layers)
+
+
+def matrix(w: Weight) -> Matrix:
+    return QuantLinear(w) if isinstance(w, QuantizedWeight) else Linear(w)
+
+
+def _float(w: Weight) -> torch.Tensor:
+    assert isinstance(w, torch.Tensor), "norms are never quantized"
+    return w
