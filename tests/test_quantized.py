@@ -37,8 +37,9 @@ def _held_bytes(llm: LLM) -> int:
     for m in [*_weights(llm), *(x for y in w.layers for x in (y.input_norm, y.post_norm))]:
         for t in (getattr(m, "weight", m), getattr(m, "packed", None)):
             t = t.data if isinstance(t, QuantizedWeight) else t
-            if isinstance(t, torch.Tensor):
-                seen[t.data_ptr()] = t.nbytes
+            if isinstance(t, torch.Tensor):  # oneDNN's packed copies have no data_ptr()
+                key = t.data_ptr() if t.layout == torch.strided else id(t)
+                seen[key] = t.numel() * t.element_size()
     return sum(seen.values()) + w.norm.nbytes
 
 
