@@ -11,7 +11,6 @@ from typing import Protocol
 import torch
 
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.gguf_file import GGUFCheckpoint, is_gguf
 from nanoserve.model.loader import read_checkpoint
 from nanoserve.model.quantized import Weight
 from nanoserve.tokenizer import Tokenizer
@@ -55,4 +54,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     """A GGUF file (by its .gguf suffix) or a Hugging Face checkpoint directory."""
     if not Path(path).exists():
         raise FileNotFoundError(f"no model at {path}")
-    return GGUFCheckpoint(path) if is_gguf(path) else HFCheckpoint(path)
+    if Path(path).suffix.lower() != ".gguf":
+        return HFCheckpoint(path)
+    # Imported here: a Hugging Face checkpoint needs no gguf package (the GPU check's machine).
+    from nanoserve.model.gguf_file import GGUFCheckpoint
+
+    return GGUFCheckpoint(path)

@@ -59,10 +59,6 @@ class GGUFError(ValueError):
     """A GGUF file nanoserve cannot serve; the message names what is unsupported."""
 
 
-def is_gguf(path: str | Path) -> bool:
-    return Path(path).suffix.lower() == ".gguf"
-
-
 class GGUFCheckpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).resolve()
