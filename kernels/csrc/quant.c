@@ -133,7 +133,9 @@ static void place_block(const ns_xq *xq, const ns_xq_layout *l, Py_ssize_t m, Py
     const Py_ssize_t g = b / l->group, i = b % l->group;
     for (int p = 0; p < l->pieces; p++) {
         const Py_ssize_t at = m * xq->q_stride + g * l->group * QK + (p * l->group + i) * piece;
-        if (l->wide)
+        if (l->order)
+            for (int j = 0; j < QK; j++) xq->q16[at + j] = v[l->order[j]];
+        else if (l->wide)
             memcpy(xq->q16 + at, v + p * piece, (size_t)piece * sizeof(int16_t));
         else
             for (int j = 0; j < piece; j++) xq->q[at + j] = (int8_t)v[p * piece + j];

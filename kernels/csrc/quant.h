@@ -43,9 +43,11 @@ enum ns_isa { NS_ISA_PORTABLE = 0, NS_ISA_AVX2 = 1, NS_ISA_AVX512 = 2 };
  * nibbles, say); with one block a group that is the values in order. Lane i of a block (of QK /
  * pieces / width) covers values width i .. width i + width - 1 of each of its pieces: the values
  * one int32 lane of the path's dot product adds. `corr`: the factor of corr below; `wide`: int16
- * activations, else int8. */
+ * activations, else int8; `order` (with one piece and one block a group, or NULL): each block's
+ * values in this order (value order[j] at j). */
 typedef struct {
     int group, pieces, width, corr, wide;
+    const uint8_t *order;
 } ns_xq_layout;
 
 /* Rows of activations quantized for one layout. Per row: q (int8) or q16 (int16) [blocks * 32];
