@@ -47,6 +47,7 @@ setup(
                 "kernels/csrc/quant_avx512.inc",
                 "kernels/csrc/quant_avx512_i16.inc",
                 "kernels/csrc/quant_tiles.inc",
+                "kernels/csrc/quant_strips.inc",
             ],
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.
             extra_compile_args=[

@@ -67,6 +67,11 @@ int nanoserve_quant_init(void) {
 
 /* ---------------------------------------------------------------- the activations */
 
+const uint8_t NS_PAIRS_4[QK] = {0,  2,  16, 18, 1,  3,  17, 19, 4,  6,  20, 22, 5,  7,  21, 23,
+                                8,  10, 24, 26, 9,  11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31};
+const uint8_t NS_PAIRS_8[QK] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
+                                16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
+
 /* The path's layout of the activations for format qtype, int16 (wide) or int8. */
 static ns_xq_layout layout_of(int isa, int vnni, int qtype, int wide) {
 #if defined(__x86_64__) || defined(__i386__)

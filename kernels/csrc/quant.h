@@ -85,6 +85,11 @@ typedef struct {
     Py_ssize_t groups;
 } ns_tile;
 
+/* The int16 strip kernels' pairs of a block's values (quant_strips.inc), in the order of their
+ * registers p[0..15]: bytes 4q..4q+3 of a column's block unpack into 4 registers of pairs (4-bit;
+ * a byte's low nibble is value j, its high one j + 16) or, per half, 2 (Q8_0). */
+extern const uint8_t NS_PAIRS_4[QK], NS_PAIRS_8[QK];
+
 /* Each path: its activation layout for a format and int16 (wide) or int8 activations, and
  * out[:, n0:n1] (from a->x->wide). */
 ns_xq_layout ns_layout_portable(int qtype, int wide);

@@ -9,15 +9,15 @@
  * trick (|w| x sign(w) x, as maddubs needs one unsigned side). Each lane is then scaled by d dx in
  * float and added into a float lane; the 8 lanes are added at the end in a fixed order.
  *
- * With int16 activations the weights are widened to int16 as they are unpacked and vpmaddwd takes
- * the products, 2 a lane: Q8_0 a block at a time (vpmovsxbw of each half), the 4-bit formats two
- * blocks at a time as above, their nibble bytes zero-extended by halves (values 0-7, 8-15, 16-23,
- * 24-31 of both blocks, one register each); the float half of the step is the int8 one's.
+ * The int8 tiling (quant_tiles.inc): a tile of up to MR rows of x by NR rows of W (output
+ * features) shares each unpacked weight group among its rows; the GEMV streams W once, the GEMM
+ * unpacks panels of W once for all its tiles of rows. Every output's own operations are the same
+ * in any tile, so the two agree bitwise.
  *
- * The tiling (quant_tiles.inc): a tile of up to MR rows of x by NR rows of W (output features)
- * shares each unpacked weight group among its rows; the GEMV streams W once, the GEMM unpacks
- * panels of W once for all its tiles of rows. Every output's own operations are the same in any
- * tile, so the two agree bitwise.
+ * int16 activations take quant_strips.inc's kernels, laid out along N (8 output columns a
+ * register, vpmaddwd + vpaddd), as the AVX-512 path does. Here, without VNNI, they measured within
+ * 5% of the lanes-along-K kernel they replaced (faster at M = 1500, 2-4% slower over a decode's
+ * matrices from memory): the two vpmaddwd + vpaddd per 16 products bound both.
  */
 #include "quant.h"
 
@@ -31,14 +31,13 @@
 /* A panel of unpacked weights takes at most PANEL_BYTES, to stay in L1/L2; the GEMV takes up to
  * GEMV_ROWS rows. The tiles' sizes (MR, NR, NR_GEMV) are set before each include of
  * quant_tiles.inc. */
-enum { GEMV_ROWS = 4, PANEL_BYTES = 32 << 10 };
+enum { GEMV_ROWS = 4, PANEL_BYTES = 32 << 10, PANEL_STRIP_BYTES = 256 << 10 };
 
 ns_xq_layout ns_layout_avx2(int qtype, int wide) {
     const int corr = qtype == NS_Q4_0 ? 8 : 0;
-    /* int16: vpmaddwd's lanes add 2 values; Q8_0 a block at a time as two halves, the 4-bit
-     * formats two blocks at a time as quarters (where unpacking the nibbles puts them). */
-    if (wide && qtype == NS_Q8_0) return (ns_xq_layout){1, 2, 2, 0, 1};
-    if (wide) return (ns_xq_layout){2, 4, 2, corr, 1};
+    /* int16: a block at a time, its values in the pairs a vpmaddwd broadcasts (see
+     * quant_strips.inc); one lane a block; Q4_0's weights come unpacked less 8. */
+    if (wide) return (ns_xq_layout){1, 1, QK, 0, 1, qtype == NS_Q8_0 ? NS_PAIRS_8 : NS_PAIRS_4};
     /* int8: maddubs and madd's lanes add 4 values. */
     if (qtype == NS_Q8_0) return (ns_xq_layout){1, 1, 4, 0, 0};
     return (ns_xq_layout){2, 2, 4, corr, 0};
@@ -134,82 +133,6 @@ INLINE void tile_step(__m256 acc[8][4], const ns_tile *t, Py_ssize_t g, const in
     }
 }
 
-/* ---------------------------------------------------------------- int16 activations */
-
-/* One group of a weight row widened to int16 for vpmaddwd: piece k of its blocks in p[k] (Q8_0:
- * values 16k..16k+15 of its one block; 4-bit formats: values 8k..8k+7 of each of its two blocks,
- * one per 128-bit half), d and m over each block's lanes, as the int8 group has them. */
-typedef struct {
-    __m256i p[4];
-    __m256 d, m;
-} wgroup16;
-
-INLINE wgroup16 load_group16(const char *g, const int qtype, const int count) {
-    wgroup16 w;
-    if (qtype == NS_Q8_0) {
-        w.p[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(g + 2)));
-        w.p[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(g + 18)));
-        w.p[2] = w.p[3] = _mm256_setzero_si256();
-        uint16_t d;
-        memcpy(&d, g, sizeof d);
-        w.d = _mm256_set1_ps(_cvtsh_ss(d));
-        w.m = _mm256_setzero_ps();
-        return w;
-    }
-    /* The nibbles as bytes (lo: values 0-15, hi: 16-31 of each block), zero-extended by halves. */
-    const wgroup n = load_q4(g, qtype, count);
-    const __m256i zero = _mm256_setzero_si256();
-    w.p[0] = _mm256_unpacklo_epi8(n.lo, zero);
-    w.p[1] = _mm256_unpackhi_epi8(n.lo, zero);
-    w.p[2] = _mm256_unpacklo_epi8(n.hi, zero);
-    w.p[3] = _mm256_unpackhi_epi8(n.hi, zero);
-    w.d = n.d;
-    w.m = n.m;
-    return w;
-}
-
-/* Piece k of a widened weight group times piece k of the int16 activations at x: 8 int32 lanes
- * of 2 products. */
-INLINE __m256i madd_piece(const wgroup16 *w, const int16_t *x, int k) {
-    return _mm256_madd_epi16(w->p[k], _mm256_loadu_si256((const __m256i *)x + k));
-}
-
-/* The int32 lanes (2 x 2 products each for Q8_0, 4 x 2 for the 4-bit formats) of a widened weight
- * group times the int16 activations' group at x, with their corrections for Q4_0. Exact: |lane|
- * <= 8 x 128 x 32767. */
-INLINE __m256i dot_group16(const wgroup16 *w, const int16_t *x, const int32_t *corr,
-                           const int qtype) {
-    const __m256i dot = _mm256_add_epi32(madd_piece(w, x, 0), madd_piece(w, x, 1));
-    if (qtype == NS_Q8_0) return dot;
-    const __m256i all = _mm256_add_epi32(
-        dot, _mm256_add_epi32(madd_piece(w, x, 2), madd_piece(w, x, 3)));
-    if (qtype != NS_Q4_0) return all;
-    return _mm256_add_epi32(all, _mm256_loadu_si256((const __m256i *)corr));
-}
-
-/* tile_step for int16 activations. */
-INLINE void tile_step16(__m256 acc[8][4], const ns_tile *t, Py_ssize_t g, const int mr,
-                        const int nr, const int qtype, const int count, const int from_panel) {
-    const size_t gbytes = (size_t)GROUP(qtype) * ns_block_bytes(qtype);
-    const ns_xq *xq = t->a->x;
-    wgroup16 w[4];
-#pragma GCC unroll 4
-    for (int c = 0; c < nr; c++)
-        w[c] = from_panel ? ((const wgroup16 *)t->panel)[c * t->groups + g]
-                          : load_group16(t->a->w + (size_t)(t->c0 + c) * t->a->row_bytes +
-                                             (size_t)g * gbytes,
-                                         qtype, count);
-#pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) {
-        const int16_t *x = xq->q16 + (t->r0 + r) * xq->q_stride + g * GROUP(qtype) * QK;
-        const Py_ssize_t lane = (t->r0 + r) * xq->lane_stride + g * 8;
-#pragma GCC unroll 4
-        for (int c = 0; c < nr; c++)
-            acc[r][c] = scale_add(acc[r][c], dot_group16(&w[c], x, xq->corr + lane, qtype),
-                                  w[c].d, w[c].m, xq->dx + lane, xq->sx + lane, qtype);
-    }
-}
-
 /* The 8 lanes added in a fixed order. */
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -233,21 +156,83 @@ INLINE float hsum(__m256 v) {
 #undef NR_GEMV
 #undef TNAME
 
-/* int16, the same tiling over the widened groups and int16 activations: as measured (AVX-512
- * machine, this path forced), two columns at a time beat one by 5-10% at M = 1 and 4; 3 x 2, 4 x 2
- * and 6 x 2 GEMM tiles are within noise at M = 256. */
-#define TNAME(f) f##_avx2_i16
-#define wgroup wgroup16
-#define load_group load_group16
-#define tile_step tile_step16
+#undef VEC
+#undef VEC_ZERO
+#undef VEC_SUM
+
+/* ---------------------------------------------------------------- int16 activations */
+
+/* quant_strips.inc's kernels, 8 output columns a register, vpmaddwd + vpaddd. */
+#define SNAME(f) f##_avx2
+#define SW 8
+#define VI __m256i
+#define VF __m256
+#define VI_ZERO _mm256_setzero_si256
+#define VF_ZERO _mm256_setzero_ps
+#define VI_SET1 _mm256_set1_epi32
+#define VI_SET1_16 _mm256_set1_epi16
+#define VF_SET1 _mm256_set1_ps
+#define VI_AND _mm256_and_si256
+#define VI_SRLI32 _mm256_srli_epi32
+#define VI_SLLI16 _mm256_slli_epi16
+#define VI_SRAI16 _mm256_srai_epi16
+#define VI_SUB16 _mm256_sub_epi16
+#define VF_CVT _mm256_cvtepi32_ps
+#define VF_MUL _mm256_mul_ps
+#define VF_FMA _mm256_fmadd_ps
+#define DOT(acc, w, x) _mm256_add_epi32(acc, _mm256_madd_epi16(w, x))
+/* 16 registers: 3 x 2 tiles take 6 int32 and 6 float accumulators, 2 weights and a broadcast. */
 #define MR 3
 #define NR 2
-#define NR_GEMV 2
-#include "quant_tiles.inc"
+
+/* 8 rows' 16 bytes (row r at src + r * stride) as g[q], lane r row r's bytes 4q..4q+3: rows r
+ * and r + 4 in the halves of one register, then a 4 x 4 transpose of dwords within each half. */
+INLINE void transpose_rows(__m256i g[4], const char *src, size_t stride) {
+    __m256i y[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        y[i] = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(src + (size_t)i * stride))),
+            _mm_loadu_si128((const __m128i *)(src + (size_t)(i + 4) * stride)), 1);
+    const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+    g[0] = _mm256_unpacklo_epi64(t0, t2);
+    g[1] = _mm256_unpackhi_epi64(t0, t2);
+    g[2] = _mm256_unpacklo_epi64(t1, t3);
+    g[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* Each of 8 rows' block d (and m for Q4_1): the 4 bytes at each block's start, assembled in
+ * registers, their 16-bit halves packed and widened. */
+INLINE void load_heads(__m256 *d, __m256 *m, const char *w, size_t stride, const int qtype) {
+    uint32_t h[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) memcpy(&h[c], w + (size_t)c * stride, 4);
+    const __m256i v = _mm256_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3], (int)h[4],
+                                        (int)h[5], (int)h[6], (int)h[7]);
+    const __m256i low = _mm256_set1_epi32(0xFFFF);
+    /* packus of values under 2^16 keeps them; per 128-bit half, so the halves are put together. */
+    const __m256i ds = _mm256_packus_epi32(_mm256_and_si256(v, low), _mm256_setzero_si256());
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(ds, 0x08)));
+    if (qtype != NS_Q4_1) {
+        *m = _mm256_setzero_ps();
+        return;
+    }
+    const __m256i ms = _mm256_packus_epi32(_mm256_srli_epi32(v, 16), _mm256_setzero_si256());
+    *m = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(ms, 0x08)));
+}
+
+/* v's first n lanes to out. */
+INLINE void store_cols(float *out, int n, __m256 v) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes), v);
+}
+
+#include "quant_strips.inc"
 
 void ns_qmm_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     if (a->x->wide)
-        qmm_avx2_i16(a, n0, n1);
+        qmm_i16_avx2(a, n0, n1);
     else
         qmm_avx2(a, n0, n1);
 }

@@ -19,28 +19,18 @@
 #include <immintrin.h>
 #include <stdlib.h>
 
-/* A panel of unpacked weights takes at most PANEL_BYTES (int8; PANEL16_BYTES int16, whose
+/* A panel of unpacked weights takes at most PANEL_BYTES (int8; PANEL_STRIP_BYTES int16, whose
  * unpacked strips are 4x the bytes of 4-bit blocks) to stay in L1/L2; the GEMV takes up to
  * GEMV_ROWS rows. The int8 tiles' sizes (MR, NR, NR_GEMV) are set in quant_avx512.inc. */
-enum { GEMV_ROWS = 4, PANEL_BYTES = 32 << 10, PANEL16_BYTES = 256 << 10 };
+enum { GEMV_ROWS = 4, PANEL_BYTES = 32 << 10, PANEL_STRIP_BYTES = 256 << 10 };
 
 /* Blocks per group, one per 128-bit lane, whatever the format. */
 #define GROUP(qtype) 4
 
-/* The int16 kernels' pairs of a block's values, in the order of their registers p[0..15] (see
- * quant_avx512_i16.inc): bytes 4q..4q+3 of a column's block unpack into 4 (4-bit: a byte's low
- * nibble is value j, its high one j + 16) or 2 (Q8_0, per half) registers of pairs. */
-static const uint8_t PAIRS_4[QK] = {
-    0,  2,  16, 18, 1,  3,  17, 19, 4,  6,  20, 22, 5,  7,  21, 23,
-    8,  10, 24, 26, 9,  11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31};
-static const uint8_t PAIRS_8[QK] = {
-    0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
-    16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
-
 ns_xq_layout ns_layout_avx512(int qtype, int vnni, int wide) {
     /* int16: a block at a time, its values in the pairs a vpdpwssd broadcasts (see
-     * quant_avx512_i16.inc); one lane a block; Q4_0's weights come unpacked less 8. */
-    if (wide) return (ns_xq_layout){1, 1, QK, 0, 1, qtype == NS_Q8_0 ? PAIRS_8 : PAIRS_4};
+     * quant_strips.inc); one lane a block; Q4_0's weights come unpacked less 8. */
+    if (wide) return (ns_xq_layout){1, 1, QK, 0, 1, qtype == NS_Q8_0 ? NS_PAIRS_8 : NS_PAIRS_4};
     /* int8: halves of 16 bytes, maddubs + madd / vpdpbusd adding 4 a lane. */
     const int corr = qtype == NS_Q4_0 ? 8 : qtype == NS_Q8_0 && vnni ? 128 : 0;
     return (ns_xq_layout){GROUP(qtype), 2, 4, corr, 0};
