@@ -12,6 +12,9 @@
  * AVX2 path. int16 activations (quant_avx512_i16.inc) turn the registers around: a lane for each of
  * 16 output columns, pairs of a block's values widened to int16 once per block, vpdpwssd (VNNI) or
  * vpmaddwd + vpaddd taking the products, one scaling per 16 of them.
+ *
+ * Compiled twice, so that the two targets build in parallel: on its own for the AVX-512 F/BW/VL
+ * target and the layouts, and through quant_avx512_vnni.c (NS_AVX512_VNNI defined) for VNNI.
  */
 #include "quant.h"
 
@@ -27,6 +30,7 @@ enum { GEMV_ROWS = 4, PANEL_BYTES = 32 << 10, PANEL_STRIP_BYTES = 256 << 10 };
 /* Blocks per group, one per 128-bit lane, whatever the format. */
 #define GROUP(qtype) 4
 
+#ifndef NS_AVX512_VNNI
 ns_xq_layout ns_layout_avx512(int qtype, int vnni, int wide) {
     /* int16: a block at a time, its values in the pairs a vpdpwssd broadcasts (see
      * quant_strips.inc); one lane a block; Q4_0's weights come unpacked less 8. */
@@ -35,6 +39,7 @@ ns_xq_layout ns_layout_avx512(int qtype, int vnni, int wide) {
     const int corr = qtype == NS_Q4_0 ? 8 : qtype == NS_Q8_0 && vnni ? 128 : 0;
     return (ns_xq_layout){GROUP(qtype), 2, 4, corr, 0};
 }
+#endif
 
 /* vpermt2w indices (16-bit words of a group's first 64 bytes, then 32 on for Q8_0's second load
  * from byte 68): each block's d over its lanes, then Q4_1's m; a block's d is its first word, m its
@@ -46,17 +51,10 @@ static const uint16_t HEADS_Q4_0[32] = {REP4(0), REP4(9), REP4(18), REP4(27)};
 static const uint16_t HEADS_Q8_0[32] = {REP4(0), REP4(17), REP4(32), REP4(49)};
 #undef REP4
 
+#ifndef NS_AVX512_VNNI
 #define TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
 #define VNNI 0
 #define NAME(f) f##_plain
-#include "quant_avx512.inc"
-#undef TARGET
-#undef VNNI
-#undef NAME
-
-#define TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
-#define VNNI 1
-#define NAME(f) f##_vnni
 #include "quant_avx512.inc"
 
 void ns_qmm_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
@@ -65,6 +63,11 @@ void ns_qmm_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     else
         qmm_plain(a, n0, n1);
 }
+#else
+#define TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+#define VNNI 1
+#define NAME(f) f##_vnni
+#include "quant_avx512.inc"
 
 void ns_qmm_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     if (a->x->wide)
@@ -72,5 +75,6 @@ void ns_qmm_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     else
         qmm_vnni(a, n0, n1);
 }
+#endif
 
 #endif
