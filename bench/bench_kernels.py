@@ -9,19 +9,18 @@ configs instead.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import nanoserve.kernels as kernels
-from bench.machine import cpu_model
+from bench.machine import cpu_model, median_ms
 from nanoserve.kernels import c_backend
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
@@ -52,16 +51,7 @@ def timer(device: torch.device):
 
         return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
-    def time_ms(fn, budget_s: float = 0.25) -> float:
-        fn()
-        times: list[float] = []
-        while len(times) < 3 or (sum(times) < budget_s * 1e3 and len(times) < 15):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
-    return time_ms
+    return functools.partial(median_ms, budget_s=0.25, max_calls=15)
 
 
 def copy_bandwidth(device: torch.device, time_ms) -> float:

@@ -27,17 +27,15 @@ import functools
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.machine import cpu_model
+from bench.machine import cpu_model, median_ms
 from nanoserve import kernels
 from nanoserve.kernels import c_backend, quant
 from nanoserve.kernels.quant import ACTIVATIONS
@@ -65,21 +63,10 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def time_ms(fn, budget_s: float) -> float:
-    """The median of warm calls of fn, in milliseconds: at least 3, more within budget_s."""
-    fn()
-    times: list[float] = []
-    while len(times) < 3 or (sum(times) < budget_s * 1e3 and len(times) < 200):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def read_bandwidth() -> float:
     """GB/s of torch's sum over a 512 MiB float32 tensor: bytes read per second."""
     t = torch.ones((512 << 20) // 4)
-    return max(t.numel() * 4 / time_ms(t.sum, 0.5) / 1e6 for _ in range(3))
+    return max(t.numel() * 4 / median_ms(t.sum, 0.5) / 1e6 for _ in range(3))
 
 
 @functools.cache
@@ -121,7 +108,7 @@ def quant_points(w: torch.Tensor, m: int, qtype: str, budget: float) -> dict[str
         quant.set_isa(path, vnni)
         for act in ACTIVATIONS:
             call = functools.partial(kernels.quantized_linear, x, q, out, activations=act)
-            times[act][label] = time_ms(call, budget)
+            times[act][label] = median_ms(call, budget)
     quant.set_isa(*before)
     return {act: {"weight_bytes": q.data.numel(), "ms": ms} for act, ms in times.items()}
 
@@ -137,9 +124,9 @@ def dequant_points(w: torch.Tensor, m: int, qtype: str, libs: dict, budget: floa
     for march, lib in libs.items():
         fn = lib.dq_gemv if m <= kernels.SMALL_LINEAR_MAX_ROWS else lib.dq_gemm
         args = (out.data_ptr(), x.data_ptr(), q.data.data_ptr(), m, n, k, code, threads)
-        times[f"f32-dequant -march={march}"] = time_ms(functools.partial(fn, *args), budget)
+        times[f"f32-dequant -march={march}"] = median_ms(functools.partial(fn, *args), budget)
     wd = kernels.dequantize(q)
-    times["dequantize + F.linear"] = time_ms(lambda: kernels.dequantize(q), budget) + time_ms(
+    times["dequantize + F.linear"] = median_ms(lambda: kernels.dequantize(q), budget) + median_ms(
         lambda: F.linear(x, wd), budget
     )
     return times
@@ -147,9 +134,9 @@ def dequant_points(w: torch.Tensor, m: int, qtype: str, libs: dict, budget: floa
 
 def float_points(w: torch.Tensor, m: int, budget: float) -> dict:
     x = torch.randn(m, w.shape[1])
-    times = {"F.linear": time_ms(lambda: F.linear(x, w), budget)}
+    times = {"F.linear": median_ms(lambda: F.linear(x, w), budget)}
     if m <= kernels.SMALL_LINEAR_MAX_ROWS:
-        times["small_linear"] = time_ms(lambda: kernels.small_linear(x, w), budget)
+        times["small_linear"] = median_ms(lambda: kernels.small_linear(x, w), budget)
     return {"weight_bytes": w.numel() * 4, "ms": times}
 
 
@@ -197,7 +184,7 @@ def sweep(budget: float) -> list[dict]:
     for m in SWEEP_ROWS:
         xs = {k: torch.randn(m, k, generator=g) for _, k in LAYER_SHAPES}
         calls = [functools.partial(kernels.small_linear, xs[w.shape[1]], w) for w in floats]
-        ms = time_ms(lambda calls=calls: [c() for c in calls], budget)
+        ms = median_ms(lambda calls=calls: [c() for c in calls], budget)
         points.append(sweep_point(m, "float32", None, sum(w.numel() * 4 for w in floats), ms))
         before = (quant.cpu_isa(), quant.uses_vnni())
         for label, path, vnni in paths():
@@ -207,7 +194,7 @@ def sweep(budget: float) -> list[dict]:
                     functools.partial(kernels.quantized_linear, xs[b.shape[1]], b, activations=act)
                     for b in blocks
                 ]
-                ms = time_ms(lambda calls=calls: [c() for c in calls], budget)
+                ms = median_ms(lambda calls=calls: [c() for c in calls], budget)
                 points.append(sweep_point(m, f"q4_1 {act}", label, nbytes, ms))
         quant.set_isa(*before)
     return points

@@ -204,7 +204,7 @@ INLINE void transpose_rows(__m256i g[4], const char *src, size_t stride) {
 
 /* Each of 8 rows' block d (and m for Q4_1): the 4 bytes at each block's start, assembled in
  * registers, their 16-bit halves packed and widened. */
-INLINE void load_heads(__m256 *d, __m256 *m, const char *w, size_t stride, const int qtype) {
+INLINE void strip_heads(__m256 *d, __m256 *m, const char *w, size_t stride, const int qtype) {
     uint32_t h[8];
 #pragma GCC unroll 8
     for (int c = 0; c < 8; c++) memcpy(&h[c], w + (size_t)c * stride, 4);

@@ -55,26 +55,20 @@ static const uint16_t HEADS_Q8_0[32] = {REP4(0), REP4(17), REP4(32), REP4(49)};
 #define TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
 #define VNNI 0
 #define NAME(f) f##_plain
-#include "quant_avx512.inc"
-
-void ns_qmm_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    if (a->x->wide)
-        qmm_i16_plain(a, n0, n1);
-    else
-        qmm_plain(a, n0, n1);
-}
+#define ENTRY ns_qmm_avx512
 #else
 #define TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
 #define VNNI 1
 #define NAME(f) f##_vnni
+#define ENTRY ns_qmm_avx512_vnni
+#endif
 #include "quant_avx512.inc"
 
-void ns_qmm_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+void ENTRY(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     if (a->x->wide)
-        qmm_i16_vnni(a, n0, n1);
+        NAME(qmm_i16)(a, n0, n1);
     else
-        qmm_vnni(a, n0, n1);
+        NAME(qmm)(a, n0, n1);
 }
-#endif
 
 #endif
