@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -20,6 +21,8 @@ import jinja2.ext
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from nanoserve.stop_strings import StopStrings
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -52,6 +55,13 @@ class Tokenizer:
         self.all_special_ids |= self.eos_token_ids | _set_of(self.bos_token_id)
         self._byte_decoder = _byte_decoder() if _is_byte_level(tok) else None
         self._template: jinja2.Template | None = None
+        # A token stands for at most this many characters of text (its piece's length bounds it
+        # for byte-level BPE and SentencePiece alike): a text of L characters has at least
+        # L / max_token_chars tokens, known before tokenizing it.
+        self.max_token_chars = max(len(piece) for piece in tok.get_vocab(with_added_tokens=True))
+        specials = sorted({added[i].content for i in self.all_special_ids if i in added}, key=len)
+        self._specials = re.compile("|".join(re.escape(t) for t in reversed(specials)) or "(?!)")
+        self._literal: tokenizers.Tokenizer | None = None  # special tokens read as plain text
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -109,11 +119,54 @@ class Tokenizer:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from e
+        except Exception as e:  # the template is the checkpoint's code, the messages the user's
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """A conversation's prompt ids. Special tokens come only from the template: one typed
+        inside a message (`<|im_end|>`, ...) is tokenized as the text it is, so a message cannot
+        forge a turn of another role."""
+        typed: list[str] = []
+        nonce = secrets.token_hex(8)
+
+        def shield(value: Any) -> Any:
+            if not isinstance(value, str):
+                return value
+            return self._specials.sub(lambda m: f"\ue000{nonce}:{_keep(typed, m[0])}\ue001", value)
+
+        shielded = [{k: shield(v) for k, v in m.items()} for m in messages]
+        text = self.apply_chat_template(shielded, add_generation_prompt, **kwargs)
+        if not typed:
+            return self.encode(text, add_special_tokens=False)  # the template has the BOS
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False)
+            else:
+                ids += (
+                    self._literal_tokenizer()
+                    .encode(typed[int(piece)], add_special_tokens=False)
+                    .ids
+                )
+        return ids
+
+    def _literal_tokenizer(self) -> tokenizers.Tokenizer:
+        if self._literal is None:
+            literal = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+
+def _keep(items: list[str], item: str) -> int:
+    items.append(item)
+    return len(items) - 1
 
 
 # A UTF-8 character spans at most 4 byte tokens: a longer run that still ends mid-character is
@@ -142,7 +195,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._stops = tuple(s for s in stop if s)
+        self._stops = StopStrings(stop)
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0  # start of the decode window (context for the next piece)
         self._read_offset = len(self._ids)  # tokens before this are already in `text`
@@ -155,14 +208,21 @@ class IncrementalDetokenizer:
         new = self._decode_new(allow_partial=pending > _MAX_PENDING_TOKENS)
         if not new:
             return None
+        at, read = len(self.text), 0
         self.text += new
-        return self._find_stop(len(new)) if check_stop else None
+        while (found := self._stops.feed(new[read:])) is not None:
+            end, stop = found
+            read += end
+            if check_stop:  # before min_tokens, a stop string is text
+                self.text = self.text[: at + read - len(stop)]
+                self.finished = True
+                return stop
+        return None
 
     def visible_text(self) -> str:
         if self.finished:
             return self.text
-        held = max((_overlap(self.text, s) for s in self._stops), default=0)
-        return self.text[: len(self.text) - held]
+        return self.text[: len(self.text) - self._stops.held]
 
     def finish(self) -> None:
         """Release everything: undecodable trailing bytes (as U+FFFD) and a held-back tail."""
@@ -179,27 +239,6 @@ class IncrementalDetokenizer:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full[len(prefix) :]
-
-    def _find_stop(self, new_len: int) -> str | None:
-        """Earliest stop string that overlaps the newest `new_len` characters; cuts `text` there."""
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            at = self.text.find(stop, max(0, len(self.text) - new_len - len(stop) + 1))
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
-            return None
-        self.text = self.text[: best[0]]
-        self.finished = True
-        return best[1]
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest proper prefix of `stop` that ends `text`."""
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
 
 
 def _set_of(token_id: int | None) -> set[int]:

@@ -47,6 +47,7 @@ def create_app(
     app.add_url_rule("/v1/completions", view_func=api.completions, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=api.chat_completions, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=api.models, methods=["GET"])
+    app.add_url_rule("/v1/models/<path:model_id>", view_func=api.model, methods=["GET"])
     app.add_url_rule("/tokenize", view_func=api.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=api.detokenize, methods=["POST"])
     app.add_url_rule("/tokenizer_info", view_func=api.tokenizer_info, methods=["GET"])
@@ -62,24 +63,37 @@ class App(QuartTrio):
 
     Hypercorn recycles or closes an HTTP/1.1 connection inside the app's last `send`; Quart may
     cancel that send when its body reader sees the stream end, leaving the connection neither
-    closed nor answering (the next request on it hangs). The last send is shielded, and a
-    response that leaves body bytes unread says `Connection: close`, so the client reconnects."""
+    closed nor answering: the last send is shielded. A response decided before the body arrived
+    waits (briefly) for the rest of the body, so that the connection stays in step and a
+    pipelined request behind it is answered in turn; a body that does not come (or a request
+    whose headers disagree about its length) gets `Connection: close`, so the client reconnects.
+    """
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
-        body_read = not _has_body(scope)
+        headers = dict(scope["headers"])
+        chunked, length = b"transfer-encoding" in headers, headers.get(b"content-length", b"0")
+        body_read = trio.Event()
+        if not chunked and length == b"0":
+            body_read.set()
+        # Past the limit the body is not read: no use waiting for it.
+        wait_s = BODY_WAIT_S if chunked or _int(length) <= self.config["MAX_CONTENT_LENGTH"] else 0
+        # RFC 9112 6.1: both length headers is a request smuggling attempt; answer, then close.
+        ambiguous = chunked and b"content-length" in headers
 
         async def tracked_receive() -> Any:
-            nonlocal body_read
             message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                body_read = True
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_read.set()
             return message
 
         async def guarded_send(message: Any) -> None:
-            if message["type"] == "http.response.start" and not body_read:
-                message = {**message, "headers": [*message["headers"], (b"connection", b"close")]}
+            if message["type"] == "http.response.start":
+                with trio.move_on_after(wait_s):
+                    await body_read.wait()
+                if ambiguous or not body_read.is_set():
+                    message = {**message, "headers": [*message["headers"], CLOSE]}
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 with trio.CancelScope(shield=True):
                     await send(message)
@@ -89,6 +103,9 @@ class App(QuartTrio):
         await super().__call__(scope, tracked_receive, guarded_send)
 
 
-def _has_body(scope: Any) -> bool:
-    headers = dict(scope["headers"])
-    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") != b"0"
+CLOSE = (b"connection", b"close")
+BODY_WAIT_S = 1.0  # how long a refusal waits for the rest of a request's body
+
+
+def _int(text: bytes) -> int:
+    return int(text) if text.isdigit() else 0

@@ -45,6 +45,10 @@ class RequestFailed(Exception):
     """The engine failed while this request was open."""
 
 
+class ShuttingDown(Exception):
+    """The server stopped while this request was open (HTTP 503)."""
+
+
 @dataclass(eq=False)
 class Delivery:
     """One request's mailbox. The engine task replaces `latest` (outputs are cumulative, so a slow
@@ -267,7 +271,7 @@ class Serving:
         """Fail every request still open (their handlers end cleanly); call at shutdown, after
         the handlers had their grace period."""
         for delivery in self._open.values():
-            delivery.fail(RequestFailed(reason))
+            delivery.fail(ShuttingDown(reason))
 
     def health(self) -> dict[str, object]:
         return {

@@ -11,7 +11,7 @@ from quart import Response
 from werkzeug.exceptions import HTTPException
 
 from nanoserve.engine import RequestRejected
-from nanoserve.server.bridge import EngineDead, Overloaded, RequestFailed
+from nanoserve.server.bridge import EngineDead, Overloaded, RequestFailed, ShuttingDown
 from nanoserve.server.protocol import ErrorInfo, ErrorResponse, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def error_info(e: Exception) -> tuple[int, ErrorInfo]:
         return 503, ErrorInfo(message=str(e), type="server_error", code="overloaded")
     if isinstance(e, EngineDead):
         return 503, ErrorInfo(message=str(e), type="server_error")
+    if isinstance(e, ShuttingDown):
+        return 503, ErrorInfo(message=f"not finished: {e}", type="server_error")
     if isinstance(e, RequestFailed):
         return 500, ErrorInfo(message=f"generation failed: {e}", type="server_error")
     return 500, ErrorInfo(message=f"internal error: {type(e).__name__}", type="server_error")
@@ -70,7 +72,7 @@ def error_handlers(max_body_bytes: int) -> dict[type[Exception], Any]:
 
     handled = (InvalidRequest, RequestRejected, ModelNotFound, Overloaded, EngineDead)
     return {
-        **{cls: known for cls in (*handled, RequestFailed)},
+        **{cls: known for cls in (*handled, RequestFailed, ShuttingDown)},
         HTTPException: http,
         Exception: unexpected,
     }

@@ -10,12 +10,20 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nanoserve.engine import SamplingParams
 
 MAX_N = 16  # completions per prompt: each one is a sequence in the batch
 MAX_LOGPROBS = 20
+MAX_SEQUENCES = 256  # prompts x n in one request: each one is a sequence in the batch
+MAX_STOP = 16  # stop strings in one request (OpenAI allows 4)
+MAX_STOP_CHARS = 4096  # their total length
+# Keys of chat_template_kwargs that the server itself sets: a client may not override them.
+SERVER_TEMPLATE_KEYS = frozenset(
+    ["messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
+     "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now"]
+)  # fmt: skip
 
 
 class InvalidRequest(Exception):
@@ -29,6 +37,14 @@ class InvalidRequest(Exception):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_the_default(cls, data: Any) -> Any:
+        """OpenAI types its optional fields as nullable: `null` asks for the default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -89,6 +105,22 @@ class _GenerationRequest(_Strict):
             raise InvalidRequest(f"{name} is not supported by this server", name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP or sum(len(s) for s in stops) > MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"stop: at most {MAX_STOP} strings of {MAX_STOP_CHARS} characters in all "
+                f"(got {len(stops)} of {sum(len(s) for s in stops)})",
+                "stop",
+            )
+
+    def check_sequences(self, num_prompts: int) -> None:
+        """One request may fill at most MAX_SEQUENCES rows of the batch."""
+        if num_prompts * self.n > MAX_SEQUENCES:
+            raise InvalidRequest(
+                f"{num_prompts} prompts x n={self.n} is {num_prompts * self.n} sequences; one "
+                f"request may ask for at most {MAX_SEQUENCES}",
+                "prompt" if num_prompts > 1 else "n",
+            )
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -161,7 +193,9 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")  # other part types are refused below
+    # Other keys (cache_control, ...) are hints that do not change the answer; other part types
+    # (images, audio) are refused below.
+    model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
     text: str | None = None
@@ -181,6 +215,23 @@ class ChatMessage(_Strict):
                     f"content parts of type {part.type!r} are not supported: text only"
                 )
         return content
+
+    def text(self) -> str:
+        """The content as one string, as chat templates expect it: text parts joined by
+        newlines (as vLLM joins them); an assistant turn without content is empty."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template receives them; a turn other than the assistant's needs
+    content."""
+    for i, m in enumerate(messages):
+        if m.content is None and m.role != "assistant":
+            raise InvalidRequest(f"messages.{i}.content is required", f"messages.{i}.content")
+    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            for m in messages]  # fmt: skip
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -227,9 +278,10 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
-
-    def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        for key in self.chat_template_kwargs or {}:
+            if key in SERVER_TEMPLATE_KEYS or not key.isidentifier():
+                name = f"chat_template_kwargs.{key}"
+                raise InvalidRequest(f"{name} cannot be set: the server sets it", name)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -305,10 +357,15 @@ def _invalid(error: ValidationError) -> InvalidRequest:
 # -- responses ---------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens read from the prefix cache instead of computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

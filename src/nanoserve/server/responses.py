@@ -22,6 +22,7 @@ from nanoserve.server.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     PromptLogprob,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -41,6 +42,7 @@ class ResponseFormat:
         self.num_logprobs = params.logprobs
         self.created = int(time.time())
         self.prompt_tokens = 0
+        self.cached_tokens: dict[int, int] = {}  # per prompt: tokens from the prefix cache
         self.sent_text: dict[int, str] = {}
         self.sent_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
@@ -49,6 +51,7 @@ class ResponseFormat:
         return []
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[BaseModel]:
+        self.cached_tokens[prompt_index] = out.num_cached_tokens
         result = []
         for c in out.outputs:
             index = prompt_index * self.n + c.index
@@ -79,6 +82,9 @@ class ResponseFormat:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=total,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(self.cached_tokens.values())
+            ),
         )
 
     def streamed_usage(self) -> UsageInfo:
@@ -127,6 +133,7 @@ class CompletionFormat(ResponseFormat):
         return self._body([choice])
 
     def response(self, finals: Sequence[RequestOutput]) -> BaseModel:
+        self.cached_tokens = {p: out.num_cached_tokens for p, out in enumerate(finals)}
         choices = []
         for p, out in enumerate(finals):
             for c in out.outputs:
@@ -246,6 +253,7 @@ class ChatFormat(ResponseFormat):
 
     def response(self, finals: Sequence[RequestOutput]) -> BaseModel:
         (out,) = finals
+        self.cached_tokens = {0: out.num_cached_tokens}
         choices = [
             ChatChoice(
                 index=c.index,

@@ -13,10 +13,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing
-from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,10 +24,12 @@ from pydantic import BaseModel
 from quart import Response, g, request
 
 from nanoserve.engine import RequestOutput, SamplingParams
+from nanoserve.server.access import AccessRecord, printable
 from nanoserve.server.bridge import Serving
 from nanoserve.server.errors import ModelNotFound, error_info, error_response, too_large
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
@@ -35,36 +37,15 @@ from nanoserve.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    message_dicts,
     parse,
 )
 from nanoserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
 
 log = logging.getLogger(__name__)
 
-access_log = logging.getLogger("nanoserve.access")
-
 LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized off the event loop
-
-
-@dataclass
-class AccessRecord:
-    """One request's line in the access log, filled in as the request goes."""
-
-    started: float
-    client: str
-    request_line: str
-    tokens_in: int | None = None
-    tokens_out: int | None = None
-
-    def write(self, status: int | str) -> None:
-        tokens = f"in={_count(self.tokens_in)} out={_count(self.tokens_out)}"
-        seconds = time.monotonic() - self.started
-        access_log.info('%s "%s" %s %s %.3fs', self.client, self.request_line, status, tokens,
-                        seconds)  # fmt: skip
-
-
-def _count(n: int | None) -> str:
-    return "-" if n is None else str(n)
+LARGE_BODY = 2048  # tokens: a response with logprobs of more is built off the event loop
 
 
 class OpenAIServer:
@@ -80,7 +61,8 @@ class OpenAIServer:
 
     async def check_access(self) -> Response | None:
         host, port = request.scope.get("client") or ("-", 0)
-        line = f"{request.method} {request.path}"
+        raw = request.scope.get("raw_path") or request.path.encode()
+        line = f"{request.method} {raw.decode('latin-1')}"
         g.access = AccessRecord(time.monotonic(), f"{host}:{port}", line)
         if self.api_key is not None and request.path != "/health":
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -108,6 +90,13 @@ class OpenAIServer:
         req: CompletionRequest = parse(CompletionRequest, await request.get_data(cache=False))
         self._check_model(req.model)
         prompts = req.prompts()
+        req.check_sequences(len(prompts))
+        if self.serving.max_queue is not None and len(prompts) > self.serving.max_queue:
+            raise InvalidRequest(
+                f"{len(prompts)} prompts are more than the server queues "
+                f"(--max-queue {self.serving.max_queue}): send fewer at a time",
+                "prompt",
+            )
         token_ids = [
             await self._encode(p) if isinstance(p, str) else p for p in prompts
         ]  # fmt: skip
@@ -126,33 +115,32 @@ class OpenAIServer:
             ChatCompletionRequest, await request.get_data(cache=False)
         )
         self._check_model(req.model)
-        render = partial(self._render_chat, req)
-        if sum(len(m.model_dump_json()) for m in req.messages) > LONG_PROMPT_CHARS:
-            token_ids = await trio.to_thread.run_sync(render, thread_name="tokenize")
-        else:
-            token_ids = render()
+        req.check_sequences(1)
+        kwargs = req.chat_template_kwargs or {}
+        token_ids = await self._encode_chat(req.messages, req.add_generation_prompt, kwargs)
         params = req.sampling_params(req.completion_limit, req.num_logprobs)
         fmt = ChatFormat(self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params)
         return await self._respond(fmt, req.stream, req.include_usage, [token_ids], params)
 
     async def models(self) -> Response:
-        card = ModelCard(
-            id=self.model_name,
-            created=self.created,
-            max_model_len=self.serving.max_model_len,
+        return _json(ModelList(data=[self._card()]))
+
+    async def model(self, model_id: str) -> Response:
+        """OpenAI's `models.retrieve`."""
+        self._check_model(model_id)
+        return _json(self._card())
+
+    def _card(self) -> ModelCard:
+        return ModelCard(
+            id=self.model_name, created=self.created, max_model_len=self.serving.max_model_len
         )
-        return _json(ModelList(data=[card]))
 
     async def tokenize(self) -> Response:
         """vLLM's /tokenize (lm-eval's remote tokenizer uses it)."""
         req: TokenizeRequest = parse(TokenizeRequest, await request.get_data(cache=False))
         self._check_model(req.model)
         if req.messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                [m.model_dump(exclude_none=True) for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-            )
-            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+            tokens = await self._encode_chat(req.messages, req.add_generation_prompt, {})
         else:
             tokens = await self._encode(req.prompt or "", req.add_special_tokens)
         body = {"tokens": tokens, "count": len(tokens), "max_model_len": self.serving.max_model_len}
@@ -199,12 +187,21 @@ class OpenAIServer:
     ) -> Response:
         fmt.prompt_tokens = g.access.tokens_in = sum(len(p) for p in prompts)
         if not stream:
-            async with AsyncExitStack() as stack:
-                streams = await self._submit(stack, prompts, params)
-                finals = [await _last(outputs) for outputs in streams]
-            body = fmt.response(finals)
+            try:
+                async with AsyncExitStack() as stack:
+                    streams = await self._submit(stack, prompts, params)
+                    finals = [await _last(outputs) for outputs in streams]
+            except trio.Cancelled:  # the client left: no response, so log it here
+                g.access.write("499 (client left)")
+                raise
             g.access.tokens_out = sum(len(c.token_ids) for out in finals for c in out.outputs)
-            return _json(body)
+            body = partial(_json_text, fmt.response, finals)
+            tokens = fmt.prompt_tokens * params.n + g.access.tokens_out
+            if params.logprobs is None and params.prompt_logprobs is None or tokens < LARGE_BODY:
+                return Response(body(), mimetype="application/json")
+            # Logprobs of thousands of tokens take a second or more to build and serialize.
+            text = await trio.to_thread.run_sync(body, thread_name="respond")
+            return Response(text, mimetype="application/json")
         events = self._events(fmt, include_usage, prompts, params, g.access)
         await anext(events)  # submits: a refusal raises here and gets its own status
         response = Response(
@@ -240,7 +237,9 @@ class OpenAIServer:
                     ending = "200"
                 except Exception as e:  # mid-stream: the status line is gone, report in it
                     status, info = error_info(e)
-                    log.warning("stream %s failed (%d): %s", fmt.id, status, info.message)
+                    log.warning(
+                        "stream %s failed (%d): %s", fmt.id, status, printable(info.message)
+                    )
                     ending = f"200 (failed: {status})"
                     yield _sse(ErrorResponse(error=info))
                 yield b"data: [DONE]\n\n"
@@ -272,30 +271,47 @@ class OpenAIServer:
             for token_ids in prompts
         ]
 
+    def _check_length(self, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit the context before tokenizing it: no token stands for
+        more than `max_token_chars` characters."""
+        at_least = -(-chars // self.tokenizer.max_token_chars)
+        if at_least > self.serving.max_model_len:
+            raise InvalidRequest(
+                f"{param} has at least {at_least} tokens ({chars} characters); this model's "
+                f"context is {self.serving.max_model_len} tokens (max_model_len)",
+                param,
+            )
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ModelNotFound(f"the model {model!r} does not exist (this server serves "
                                 f"{self.model_name!r})")  # fmt: skip
 
     async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_length(len(text), "prompt")
         encode = partial(self.tokenizer.encode, text, add_special_tokens)
         if len(text) <= LONG_PROMPT_CHARS:
             return encode()
         return await trio.to_thread.run_sync(encode, thread_name="tokenize")
 
-    def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
-        kwargs = {
-            k: v
-            for k, v in (req.chat_template_kwargs or {}).items()
-            if k not in ("messages", "add_generation_prompt")
-        }
+    async def _encode_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> list[int]:
+        dicts = message_dicts(messages)
+        chars = sum(len(m["content"]) for m in dicts)
+        self._check_length(chars, "messages")
+        render = partial(self._render_chat, dicts, add_generation_prompt, kwargs)
+        if chars <= LONG_PROMPT_CHARS:
+            return render()
+        return await trio.to_thread.run_sync(render, thread_name="tokenize")
+
+    def _render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                req.message_dicts(), add_generation_prompt=req.add_generation_prompt, **kwargs
-            )
+            return self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
         except ValueError as e:
             raise InvalidRequest(str(e), "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has BOS
 
 
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -304,6 +320,11 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         pass
     assert last is not None and last.finished
     return last
+
+
+def _json_text(build: Callable[[Sequence[RequestOutput]], BaseModel],
+               finals: Sequence[RequestOutput]) -> str:  # fmt: skip
+    return build(finals).model_dump_json()
 
 
 def _json(body: BaseModel) -> Response:

@@ -175,7 +175,7 @@ def sse_data(raw: bytes) -> list[str]:
 
 def chat_token_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     """The prompt ids the server computes for a chat request (the template carries the BOS)."""
-    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    return tokenizer.encode_chat(messages)
 
 
 @asynccontextmanager
