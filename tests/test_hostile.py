@@ -2,10 +2,13 @@
 disagree, control characters in the path, special tokens typed into a message. Real sockets."""
 
 import contextlib
+import logging
+import signal
 
 import trio
 
-from nanoserve.testing.harness import WAIT_S, live_server
+from nanoserve.server.access import PrintableFormatter
+from nanoserve.testing.harness import WAIT_S, live_server, serve_command
 
 BLOCKS = 64
 KEY = {"Authorization": "Bearer k"}
@@ -48,3 +51,47 @@ async def test_a_refusal_before_the_body_always_arrives(tiny_model_dir):
                 for _ in range(7):
                     line = await _first_status(server, request + tail + _request("GET", "/x"))
                     assert line.startswith(b"HTTP/1.1 %d" % status), (status, tail, line)
+
+
+async def test_a_request_with_both_length_headers_is_answered_then_closed(tiny_model_dir):
+    """RFC 9112 6.1: Content-Length beside Transfer-Encoding may be a smuggling attempt; the
+    server answers and closes the connection, so nothing after it is read as a request."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    headers = {"Transfer-Encoding": "chunked", "Content-Length": str(len(chunked))}
+    request = _request("POST", "/v1/completions", headers=headers) + chunked
+    smuggled = _request("GET", "/v1/models")
+    async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS) as server:
+        stream = await trio.open_tcp_stream(server.host, server.port)
+        server.raw.append(stream)
+        await stream.send_all(request + smuggled)
+        received = b""
+        with trio.fail_after(WAIT_S):
+            while chunk := await stream.receive_some():  # the server closes
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 200") and b"connection: close" in received.lower()
+    assert received.count(b"HTTP/1.1") == 1  # the smuggled request was never answered
+
+
+async def test_control_characters_from_a_client_never_start_a_log_line(tiny_model_factory):
+    """The access log of `nanoserve serve` (what an operator reads): a percent-encoded newline
+    in the path stays encoded, and a control character in a logged message is escaped."""
+    async with serve_command(tiny_model_factory()) as (proc, server):
+        await _first_status(server, _request("GET", "/v1/models%0AFORGED%20LINE"))
+        await _first_status(server, _request("GET", "/v1/models\x0bFORGED"))
+        await server.http.get("/health")
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(WAIT_S):
+            await proc.wait()
+            log = b""
+            while chunk := await proc.stderr.receive_some():
+                log += chunk
+    lines = log.decode(errors="replace").splitlines()
+    assert not [line for line in lines if line.startswith("FORGED")], lines
+    assert any("/v1/models%0AFORGED%20LINE" in line for line in lines), lines
+
+
+def test_the_log_format_escapes_control_characters():
+    record = logging.LogRecord("x", logging.INFO, "", 0, "field %s", ("a\nb\x1b[2Jc\u2028",), None)
+    line = PrintableFormatter("%(levelname)s %(message)s").format(record)
+    assert line == "INFO field a\\x0ab\\x1b[2Jc\\u2028"

@@ -1,0 +1,119 @@
+"""What one heavy client costs the others: a live server on the default model, a probe that asks
+/health every 10 ms and a short 4-token completion, while one client sends a heavy request.
+
+    python -m bench.hostile [--case NAME ...] [--model PATH]
+
+Cases: `huge_prompt` (a 3 MB prompt, six at once), `echo_logprobs` (echo + logprobs 20 of an
+8,000-token prompt, n=4), `many_prompts` (one request of 256 prompts), `stops` (16 stop
+strings, n=4). For each: the longest /health answer and the short completion's latency while
+the heavy request runs, against the same probes on the idle server. Prints a table and writes
+bench/results/hostile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from nanoserve.default_model import default_model_path
+from nanoserve.testing.harness import live_server
+
+RESULTS = Path(__file__).parent / "results"
+C = "/v1/completions"
+SHORT = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank. "
+
+
+def cases() -> dict[str, list[dict[str, Any]]]:
+    """The heavy requests of each case (sent at once)."""
+    return {
+        "huge_prompt": [{"prompt": "word " * 600_000, "max_tokens": 1}] * 6,
+        "echo_logprobs": [
+            {"prompt": TEXT * 570, "max_tokens": 0, "echo": True, "logprobs": 20, "n": 4}
+        ],
+        "many_prompts": [{"prompt": [TEXT * 4] * 256, "max_tokens": 8, "ignore_eos": True}],
+        "stops": [
+            {"prompt": TEXT, "max_tokens": 64, "n": 4, "ignore_eos": True,
+             "stop": [f"never-{i:04d}" for i in range(16)]}
+        ],
+    }  # fmt: skip
+
+
+async def probe(http: httpx.AsyncClient, done: trio.Event) -> tuple[float, float]:
+    """Until `done`: the longest /health round trip, and the short completion's latency."""
+    worst = 0.0
+    short = -1.0
+
+    async def completion() -> None:
+        nonlocal short
+        start = time.perf_counter()
+        (await http.post(C, json=SHORT)).raise_for_status()
+        short = time.perf_counter() - start
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(completion)
+        while not done.is_set() or short < 0:
+            start = time.perf_counter()
+            await http.get("/health")
+            worst = max(worst, time.perf_counter() - start)
+            await trio.sleep(0.01)
+    return worst, short
+
+
+async def run_case(http: httpx.AsyncClient, heavy: list[dict[str, Any]]) -> dict[str, Any]:
+    done = trio.Event()
+    statuses: list[int] = []
+    result: dict[str, Any] = {}
+
+    async def send(body: dict[str, Any]) -> None:
+        statuses.append((await http.post(C, json=body)).status_code)
+
+    async def heavies() -> None:
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for body in heavy:
+                nursery.start_soon(send, body)
+        result["heavy_s"] = time.perf_counter() - start
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(heavies)
+        await trio.sleep(0.05)  # the heavy requests arrive first
+        result["health_max_s"], result["short_s"] = await probe(http, done)
+    result["statuses"] = sorted(set(statuses))
+    return result
+
+
+async def main(names: list[str], model: Path) -> None:
+    chosen = {name: body for name, body in cases().items() if name in names}
+    results: dict[str, Any] = {}
+    async with live_server(model, kv_cache_memory_gb=2.0) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as http:
+            await http.post(C, json=SHORT)  # warm up
+            done = trio.Event()
+            done.set()
+            idle = await probe(http, done)
+            results["idle"] = {"health_max_s": idle[0], "short_s": idle[1]}
+            for name, heavy in chosen.items():
+                results[name] = await run_case(http, heavy)
+                await server.wait_idle()
+    print(f"{'case':<14} {'/health max s':>14} {'4-token s':>10} {'heavy s':>8}  statuses")
+    for name, r in results.items():
+        print(f"{name:<14} {r['health_max_s']:>14.3f} {r['short_s']:>10.3f} "
+              f"{r.get('heavy_s', 0):>8.2f}  {r.get('statuses', '')}")  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "hostile.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", action="append", choices=list(cases()), help="default: all")
+    parser.add_argument("--model", type=Path, default=None)
+    args = parser.parse_args()
+    trio.run(main, args.case or list(cases()), args.model or default_model_path())
