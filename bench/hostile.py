@@ -93,16 +93,18 @@ async def run_case(http: httpx.AsyncClient, heavy: list[dict[str, Any]]) -> dict
 async def main(names: list[str], model: Path) -> None:
     chosen = {name: body for name, body in cases().items() if name in names}
     results: dict[str, Any] = {}
-    async with live_server(model, kv_cache_memory_gb=2.0) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=600) as http:
-            await http.post(C, json=SHORT)  # warm up
-            done = trio.Event()
-            done.set()
-            idle = await probe(http, done)
-            results["idle"] = {"health_max_s": idle[0], "short_s": idle[1]}
-            for name, heavy in chosen.items():
-                results[name] = await run_case(http, heavy)
-                await server.wait_idle()
+    async with (
+        live_server(model, kv_cache_memory_gb=2.0) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=600) as http,
+    ):
+        await http.post(C, json=SHORT)  # warm up
+        done = trio.Event()
+        done.set()
+        idle = await probe(http, done)
+        results["idle"] = {"health_max_s": idle[0], "short_s": idle[1]}
+        for name, heavy in chosen.items():
+            results[name] = await run_case(http, heavy)
+            await server.wait_idle()
     print(f"{'case':<14} {'/health max s':>14} {'4-token s':>10} {'heavy s':>8}  statuses")
     for name, r in results.items():
         print(f"{name:<14} {r['health_max_s']:>14.3f} {r['short_s']:>10.3f} "
