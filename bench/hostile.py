@@ -5,9 +5,9 @@
 
 Cases: `huge_prompt` (a 3 MB prompt, six at once), `echo_logprobs` (echo + logprobs 20 of an
 8,000-token prompt, n=4), `many_prompts` (one request of 256 prompts), `stops` (16 stop
-strings, n=4). For each: the longest /health answer and the short completion's latency while
-the heavy request runs, against the same probes on the idle server. Prints a table and writes
-bench/results/hostile.json.
+strings, n=4), `stops_200k` (200,000 of them). For each: the longest /health answer and the
+short completion's latency while the heavy request runs, against the same probes on the idle
+server. Prints a table and writes bench/results/hostile.json.
 """
 
 from __future__ import annotations
@@ -41,6 +41,10 @@ def cases() -> dict[str, list[dict[str, Any]]]:
         "stops": [
             {"prompt": TEXT, "max_tokens": 64, "n": 4, "ignore_eos": True,
              "stop": [f"never-{i:04d}" for i in range(16)]}
+        ],
+        "stops_200k": [
+            {"prompt": TEXT, "max_tokens": 64, "n": 4, "ignore_eos": True,
+             "stop": [f"never-{i:06d}" for i in range(200_000)]}
         ],
     }  # fmt: skip
 

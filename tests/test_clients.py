@@ -3,6 +3,7 @@
 others. A real Hypercorn on a real port; the official openai client where a user would use it."""
 
 import json
+from functools import partial
 
 import openai
 import pytest
@@ -179,3 +180,19 @@ async def test_a_unary_client_that_hangs_up_leaves_an_access_line(server, caplog
             await trio.sleep(0.01)
     (line,) = [r.getMessage() for r in caplog.records if "client left" in r.getMessage()]
     assert '"POST /v1/completions" 499 (client left) in=' in line
+
+
+async def test_a_request_of_many_prompts_takes_turns_with_others(tiny_model_dir):
+    """Two batch rows, one request of 8 long prompts, then a 1-token request: it is admitted
+    as soon as a row frees up, not after all 8 (first come, first served would make it wait
+    for every one of them)."""
+    async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS, max_num_seqs=2) as server:
+        big = {"prompt": ["a b c"] * 8, "max_tokens": 30, "ignore_eos": True}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(server.http.post, C, json=big))
+            await server.wait_until(lambda h: h["running"] == 2)
+            short = await server.http.post(C, json={"prompt": "hi", "max_tokens": 1})
+            assert short.status_code == 200
+            generated = (await server.health())["generation_tokens"]
+        assert generated < 4 * 30  # before: all 8 x 30 of the big request came first
+        await server.wait_idle()

@@ -3,11 +3,13 @@
 One engine task (`Serving.run`, started in the server's nursery) owns the Engine. Handlers never
 touch it: `Serving.generate` puts an arrival in the inbox (a Trio memory channel) and reads the
 request's deliveries; leaving early, for any reason, queues an abort. Each turn of the engine task
-drains the inbox, applies aborts, delivers, then awaits one `engine.step` in a named thread: the
-only line that leaves the event loop. With no work it sleeps on the inbox, waking every
-HEALTH_CHECK_S to ask the engine whether it can still step (a tensor-parallel worker may die while
-nothing runs). The engine's fixed facts (`tokenizer`, `max_model_len`) are handed to the server
-here, at start-up.
+drains the inbox, applies aborts, admits, delivers, then awaits one `engine.step` in a named
+thread: the only line that leaves the event loop. Admission is fair between HTTP requests: each
+one's prompts wait in the bridge, and the engine's queue is topped up to the batch's free rows
+round robin across requests, so that one request of many prompts cannot make another wait for
+all of them. With no work it sleeps on the inbox, waking every HEALTH_CHECK_S to ask the engine
+whether it can still step (a tensor-parallel worker may die while nothing runs). The engine's
+fixed facts (`tokenizer`, `max_model_len`) are handed to the server here, at start-up.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import logging
 import math
 import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -87,6 +90,7 @@ class _Arrival:
     params: SamplingParams
     delivery: Delivery
     arrival_time: float  # when the handler submitted it: queueing includes the inbox
+    group: str  # the HTTP request it is one prompt of: admission is fair between groups
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,8 @@ class Serving:
         self.metrics = metrics or Metrics()
         self._send, self._inbox = trio.open_memory_channel[_Arrival | _Abort](math.inf)
         self._open: dict[str, Delivery] = {}  # every request a handler is waiting on
+        self._queued: OrderedDict[str, deque[_Arrival]] = OrderedDict()  # by group, in turn
+        self._num_queued = 0
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # produced by the last step, not yet delivered
         self.dead: str | None = None  # why the engine stopped serving, once it has
@@ -119,13 +125,14 @@ class Serving:
 
     @asynccontextmanager
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams
+        self, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
     ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
         """Submit a request and iterate over its outputs (cumulative snapshots, the last one
         finished). Refusals raise here, before anything is queued. Leaving the block before the
-        request finished (a disconnect cancels the handler) aborts it at the next step."""
+        request finished (a disconnect cancels the handler) aborts it at the next step. The
+        prompts of one HTTP request share a `group`."""
         request_id = str(next(self._ids))
-        delivery = self._submit(request_id, prompt_token_ids, params)
+        delivery = self._submit(request_id, prompt_token_ids, params, group or request_id)
         try:
             yield delivery.outputs()
         finally:
@@ -134,7 +141,9 @@ class Serving:
                 # Synchronous: an await here would raise at once inside a cancelled scope.
                 self._send.send_nowait(_Abort(request_id))
 
-    def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> Delivery:
+    def _submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, group: str
+    ) -> Delivery:
         if self.dead is not None:
             raise EngineDead(f"the engine has stopped: {self.dead}")
         self.engine.check_request(prompt, params)
@@ -144,7 +153,7 @@ class Serving:
             )
         delivery = Delivery()
         self._open[request_id] = delivery
-        arrival = _Arrival(request_id, prompt, params, delivery, time.monotonic())
+        arrival = _Arrival(request_id, prompt, params, delivery, time.monotonic(), group)
         self._send.send_nowait(arrival)
         self._arrivals_in_inbox += 1
         self.num_waiting += 1  # counted now: a burst sees its own queue before the next turn
@@ -160,11 +169,12 @@ class Serving:
         gc.freeze()
         task_status.started()
         while True:
-            if not self.engine.has_unfinished() and not self._pending:
+            if not self.engine.has_unfinished() and not self._pending and not self._queued:
                 await self._idle()
             aborts = self._drain()
             for request_id in aborts:
                 self._abort(request_id)
+            self._admit()
             self._deliver()
             if self.engine.has_unfinished() and self.dead is None:
                 await self._step()
@@ -202,22 +212,49 @@ class Serving:
         if self.dead is not None:
             message.delivery.fail(EngineDead(f"the engine has stopped: {self.dead}"))
             return
-        try:
-            self.engine.add_request(
-                message.request_id, message.prompt_token_ids, message.params, message.arrival_time
-            )
-            self.metrics.on_arrival(len(message.prompt_token_ids))
-        except Exception as e:  # a rejected arrival fails only its own caller
-            message.delivery.fail(e)
+        self._queued.setdefault(message.group, deque()).append(message)
+        self._num_queued += 1
+
+    def _admit(self) -> None:
+        """Top up the engine's queue to the batch's free rows, one arrival per group in turn."""
+        stats = self.engine.stats()
+        room = self.engine.config.max_num_seqs - stats.running - stats.waiting
+        while self._queued and room > 0:
+            group, arrivals = self._queued.popitem(last=False)
+            arrival = arrivals.popleft()
+            if arrivals:
+                self._queued[group] = arrivals  # to the back of the line
+            self._num_queued -= 1
+            room -= 1
+            try:
+                self.engine.add_request(
+                    arrival.request_id, arrival.prompt_token_ids, arrival.params,
+                    arrival.arrival_time,
+                )  # fmt: skip
+                self.metrics.on_arrival(len(arrival.prompt_token_ids))
+            except Exception as e:  # a rejected arrival fails only its own caller
+                arrival.delivery.fail(e)
         self._snapshot()
 
     def _abort(self, request_id: str) -> None:
         # Whatever the last step produced for it is moot: its caller has gone.
         self._pending = [o for o in self._pending if o.request_id != request_id]
-        output = self.engine.abort(request_id)
-        if output is not None:
+        queued = self._unqueue(request_id)
+        if self.engine.abort(request_id) is not None or queued:
             self.metrics.on_abort(request_id)
         self._snapshot()
+
+    def _unqueue(self, request_id: str) -> bool:
+        """Take an arrival out of the bridge's queue; whether it was there."""
+        for group, arrivals in self._queued.items():
+            for arrival in arrivals:
+                if arrival.request_id == request_id:
+                    arrivals.remove(arrival)
+                    self._num_queued -= 1
+                    if not arrivals:
+                        del self._queued[group]
+                    return True
+        return False
 
     def _deliver(self) -> None:
         pending, self._pending = self._pending, []
@@ -245,6 +282,8 @@ class Serving:
         self.dead = reason
         self.died.set()
         self.engine.abort_all()
+        self._queued.clear()
+        self._num_queued = 0
         for delivery in self._open.values():
             delivery.fail(RequestFailed(reason))
         self._pending.clear()
@@ -253,10 +292,10 @@ class Serving:
     def _snapshot(self) -> None:
         """What /health and the queue limit read, written only by the engine task between steps."""
         stats = self.engine.stats()
-        self.num_waiting = stats.waiting + self._arrivals_in_inbox
+        self.num_waiting = stats.waiting + self._num_queued + self._arrivals_in_inbox
         self.state = {
             "running": stats.running,
-            "waiting": stats.waiting,
+            "waiting": stats.waiting + self._num_queued,
             "free_blocks": stats.free_blocks,
             "total_blocks": stats.total_blocks,
             "steps": self.steps,

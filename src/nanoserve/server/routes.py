@@ -266,8 +266,9 @@ class OpenAIServer:
     async def _submit(
         self, stack: AsyncExitStack, prompts: list[list[int]], params: SamplingParams
     ) -> list[AsyncIterator[RequestOutput]]:
+        group = uuid.uuid4().hex  # this HTTP request's prompts take their turns together
         return [
-            await stack.enter_async_context(self.serving.generate(token_ids, params))
+            await stack.enter_async_context(self.serving.generate(token_ids, params, group))
             for token_ids in prompts
         ]
 
