@@ -1,10 +1,13 @@
-"""The documentation lives in the repository: every relative link in it resolves inside it."""
+"""The documentation lives in the repository: every relative link in it resolves inside it, and
+every repository path it names in prose (`src/...`, `kernels/...`, ...) exists."""
 
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)#\s]+)[^)]*\)|`((?:\.\./|docs/)[^`\s]+)`")
+# A path in backquotes that starts at a top-level folder of the repository.
+NAMED = re.compile(r"`((?:src|kernels|tests|bench|docs|\.ci)/[^`\s:]*)")
 
 
 def _documents() -> list[Path]:
@@ -21,3 +24,13 @@ def test_links_resolve_inside_the_repository():
             path = (doc.parent / target).resolve()
             assert path.is_relative_to(REPO), f"{doc.name} links outside the repository: {target}"
             assert path.exists(), f"{doc.name} links to a missing file: {target}"
+
+
+def test_paths_named_in_prose_exist():
+    missing = [
+        f"{doc.name}: {target}"
+        for doc in _documents()
+        for target in NAMED.findall(doc.read_text())
+        if not any(REPO.glob(target.rstrip("/")))
+    ]
+    assert not missing, missing
