@@ -74,9 +74,9 @@ async def test_a_waiting_request_whose_caller_left_never_runs(engine):
         while engine.has_unfinished() or serving.health()["waiting"]:
             seen |= {r.group_id for r in engine.scheduler.running}
             await trio.sleep(0.001)
-        steps = serving.steps
+        steps = serving.task.steps
         await trio.sleep(0.05)
-        assert "2" not in seen and serving.steps == steps  # the third request's id
+        assert "2" not in seen and serving.task.steps == steps  # the third request's id
         assert serving.health()["free_blocks"] == engine.num_blocks
         nursery.cancel_scope.cancel()
 
@@ -89,10 +89,10 @@ async def test_cancelled_caller_aborts_a_running_request_within_a_step(engine):
             async for out in outputs:
                 if len(out.outputs[0].token_ids) >= 3:
                     break
-        steps_at_leave = serving.steps
+        steps_at_leave = serving.task.steps
         while engine.has_unfinished():
             await trio.sleep(0.005)
-        assert serving.steps - steps_at_leave <= 2
+        assert serving.task.steps - steps_at_leave <= 2
         assert engine.stats().generation_tokens < 10
         engine.audit()
         nursery.cancel_scope.cancel()
@@ -195,7 +195,7 @@ async def test_event_loop_stays_responsive_while_steps_run(engine, monkeypatch, 
             for _ in range(2):
                 clients.start_soon(_collect, serving, list(range(1, 60)), params)
         done.set()
-        steps = serving.steps
+        steps = serving.task.steps
         nursery.cancel_scope.cancel()
     stalls.sort()
     with capsys.disabled():

@@ -10,6 +10,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from nanoserve.engine import RequestOutput
+from nanoserve.server.stats import ServingStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
@@ -57,18 +58,17 @@ class Metrics:
         self.aborted.inc()
         self._last.pop(request_id, None)
 
-    def on_state(self, state: dict[str, int]) -> None:
+    def on_state(self, stats: ServingStats) -> None:
         """Gauges, from the engine task's snapshot after every change."""
-        self.running.set(state["running"])
-        self.waiting.set(state["waiting"])
-        total = state["total_blocks"]
-        self.kv_usage.set((total - state["free_blocks"]) / total)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_usage)
 
-    def on_step(self, state: dict[str, int]) -> None:
-        self.generation_tokens.inc(state["generation_tokens"] - self._generated)
-        self._generated = state["generation_tokens"]
-        self.preemptions.inc(state["num_preemptions"] - self._preempted)
-        self._preempted = state["num_preemptions"]
+    def on_step(self, stats: ServingStats) -> None:
+        self.generation_tokens.inc(stats.generation_tokens - self._generated)
+        self._generated = stats.generation_tokens
+        self.preemptions.inc(stats.num_preemptions - self._preempted)
+        self._preempted = stats.num_preemptions
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()

@@ -1,0 +1,261 @@
+"""The engine task: the one owner of the Engine in a server, run in the app's nursery.
+
+Each turn drains the inbox (arrivals and aborts), applies aborts, admits, delivers, then awaits
+one `engine.step` in a named thread: the only line that leaves the event loop. Admission is fair
+between HTTP requests: each one's prompts wait here, and the engine's queue is topped up to the
+batch's free rows round robin across requests, so that one request of many prompts cannot make
+another wait for all of them. With no work it sleeps on the inbox, waking every HEALTH_CHECK_S to
+ask the engine whether it can still step (a tensor-parallel worker may die while nothing runs).
+Owns the Engine, the open requests' deliveries and the snapshot it publishes (`stats`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import trio
+
+from nanoserve.engine import Engine, RequestOutput, SamplingParams
+from nanoserve.server.metrics import Metrics
+from nanoserve.server.stats import ServingStats
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECK_S = 1.0  # an idle engine task asks the engine this often whether it still works
+
+
+class EngineDead(Exception):
+    """The engine failed and serves no more requests (HTTP 503)."""
+
+
+class RequestFailed(Exception):
+    """The engine failed while this request was open."""
+
+
+class ShuttingDown(Exception):
+    """The server stopped while this request was open (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class Delivery:
+    """One request's mailbox. The engine task replaces `latest` (outputs are cumulative, so a slow
+    reader skips intermediate snapshots instead of queueing them) and wakes the reader."""
+
+    latest: RequestOutput | None = None
+    error: Exception | None = None
+    wakeup: trio.Event = field(default_factory=trio.Event)
+
+    def put(self, output: RequestOutput) -> None:
+        self.latest = output
+        self.wakeup.set()
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.wakeup.set()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        seen = None
+        while True:
+            await self.wakeup.wait()
+            self.wakeup = trio.Event()
+            if self.error is not None:
+                raise self.error
+            if self.latest is not None and self.latest is not seen:
+                seen = self.latest
+                yield seen
+                if seen.finished:
+                    return
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    delivery: Delivery
+    arrival_time: float  # when the handler submitted it: queueing includes the inbox
+    group: str  # the HTTP request it is one prompt of: admission is fair between groups
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+class EngineTask:
+    def __init__(
+        self, engine: Engine, inbox: trio.MemoryReceiveChannel[Arrival | Abort], metrics: Metrics
+    ):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox = inbox
+        self.received = 0  # arrivals taken from the inbox
+        self._open: dict[str, Delivery] = {}  # requests taken in and not yet finished
+        self._queued: OrderedDict[str, deque[Arrival]] = OrderedDict()  # by group, in turn
+        self._num_queued = 0
+        self._pending: list[RequestOutput] = []  # produced by the last step, not yet delivered
+        self.dead: str | None = None  # why the engine stopped serving, once it has
+        self.died = trio.Event()  # set with `dead`: `nanoserve serve` exits then
+        self.steps = 0
+        self._publish()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Runs until cancelled; a step in flight always completes first."""
+        # Everything alive now (weights, tokenizer, framework) lives as long as the server: keep it
+        # out of the garbage collector's scans, which otherwise pause every thread for ~100 ms.
+        gc.collect()
+        gc.freeze()
+        task_status.started()
+        while True:
+            if not self.engine.has_unfinished() and not self._pending and not self._queued:
+                await self._idle()
+            for request_id in self._drain():
+                self._abort(request_id)
+            self._admit()
+            self._deliver()
+            if self.engine.has_unfinished() and self.dead is None:
+                await self._step()
+
+    def close(self, reason: str = "the server is shutting down") -> None:
+        """Fail every request still open or still in the inbox (their handlers end cleanly);
+        call at shutdown, after the handlers had their grace period."""
+        self._drain()
+        for delivery in self._open.values():
+            delivery.fail(ShuttingDown(reason))
+
+    async def _idle(self) -> None:
+        """Sleep on the inbox until a message comes; check the engine's health meanwhile."""
+        while True:
+            with trio.move_on_after(HEALTH_CHECK_S):
+                self._handle(await self._inbox.receive())
+                return
+            if self.dead is None:
+                try:
+                    self.engine.check_health()
+                except Exception as e:
+                    log.error("engine health check failed: %s", e)
+                    self._fail_all(f"{type(e).__name__}: {e}")
+
+    def _drain(self) -> list[str]:
+        """Take every message in the inbox; returns the aborts."""
+        aborts: list[str] = []
+        while True:
+            try:
+                message = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return aborts
+            if isinstance(message, Abort):
+                aborts.append(message.request_id)
+            else:
+                self._handle(message)
+
+    def _handle(self, message: Arrival | Abort) -> None:
+        if isinstance(message, Abort):
+            self._abort(message.request_id)
+            return
+        self.received += 1
+        if self.dead is not None:
+            message.delivery.fail(EngineDead(f"the engine has stopped: {self.dead}"))
+            return
+        self._open[message.request_id] = message.delivery
+        self._queued.setdefault(message.group, deque()).append(message)
+        self._num_queued += 1
+
+    def _admit(self) -> None:
+        """Top up the engine's queue to the batch's free rows, one arrival per group in turn."""
+        stats = self.engine.stats()
+        room = self.engine.config.max_num_seqs - stats.running - stats.waiting
+        while self._queued and room > 0:
+            group, arrivals = self._queued.popitem(last=False)
+            arrival = arrivals.popleft()
+            if arrivals:
+                self._queued[group] = arrivals  # to the back of the line
+            self._num_queued -= 1
+            room -= 1
+            try:
+                self.engine.add_request(
+                    arrival.request_id, arrival.prompt_token_ids, arrival.params,
+                    arrival.arrival_time,
+                )  # fmt: skip
+                self.metrics.on_arrival(len(arrival.prompt_token_ids))
+            except Exception as e:  # a rejected arrival fails only its own caller
+                del self._open[arrival.request_id]
+                arrival.delivery.fail(e)
+        self._publish()
+
+    def _abort(self, request_id: str) -> None:
+        # Whatever the last step produced for it is moot: its caller has gone.
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        self._open.pop(request_id, None)
+        queued = self._unqueue(request_id)
+        if self.engine.abort(request_id) is not None or queued:
+            self.metrics.on_abort(request_id)
+        self._publish()
+
+    def _unqueue(self, request_id: str) -> bool:
+        """Take an arrival out of the queue of those not yet admitted; whether it was there."""
+        for group, arrivals in self._queued.items():
+            for arrival in arrivals:
+                if arrival.request_id == request_id:
+                    arrivals.remove(arrival)
+                    self._num_queued -= 1
+                    if not arrivals:
+                        del self._queued[group]
+                    return True
+        return False
+
+    def _deliver(self) -> None:
+        pending, self._pending = self._pending, []
+        for output in pending:
+            self.metrics.on_output(output)
+            delivery = self._open.get(output.request_id)
+            if delivery is not None:
+                delivery.put(output)
+                if output.finished:
+                    del self._open[output.request_id]
+
+    async def _step(self) -> None:
+        try:
+            outputs = await trio.to_thread.run_sync(self.engine.step, thread_name="engine-step")
+        except Exception as e:
+            log.exception("engine step failed")
+            self._fail_all(f"{type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        self._pending.extend(outputs)
+        self._publish()
+        self.metrics.on_step(self.stats)
+
+    def _fail_all(self, reason: str) -> None:
+        """A failed step, or a schedule that cannot progress: every open request fails, the
+        engine's requests are aborted so their blocks come back, and new ones are refused."""
+        self.dead = reason
+        self.died.set()
+        self.engine.abort_all()
+        self._queued.clear()
+        self._num_queued = 0
+        for delivery in self._open.values():
+            delivery.fail(RequestFailed(reason))
+        self._open.clear()
+        self._pending.clear()
+        self._publish()
+
+    def _publish(self) -> None:
+        """The snapshot /health, the queue limit and the metrics read, written only here."""
+        s = self.engine.stats()
+        self.stats = ServingStats(
+            running=s.running,
+            waiting=s.waiting + self._num_queued,
+            free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks,
+            steps=self.steps,
+            num_preemptions=s.num_preemptions,
+            num_recomputed_tokens=s.num_recomputed_tokens,
+            peak_running=s.peak_running,
+            generation_tokens=s.generation_tokens,
+        )
+        self.metrics.on_state(self.stats)

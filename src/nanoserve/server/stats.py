@@ -1,0 +1,24 @@
+"""What the engine task publishes after every change, for /health, the queue limit and the
+metrics: a typed, immutable snapshot. Owns nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServingStats:
+    running: int  # requests in the running batch
+    waiting: int  # admitted to the engine's queue or waiting their turn in the bridge
+    free_blocks: int
+    total_blocks: int
+    steps: int
+    num_preemptions: int
+    num_recomputed_tokens: int
+    peak_running: int
+    generation_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return (self.total_blocks - self.free_blocks) / self.total_blocks
