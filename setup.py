@@ -10,6 +10,7 @@ time from what the CPU reports (NANOSERVE_ISA caps the choice).
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from glob import glob
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -20,7 +21,7 @@ MARCH = os.environ.get("NANOSERVE_MARCH", "native")
 class BuildExt(build_ext):
     """Always recompiles, so a build for one -march never reuses objects built for another, and
     compiles an extension's sources side by side, a compiler per CPU (setuptools runs them one
-    after another; the quantized kernels' two AVX-512 targets take most of the time)."""
+    after another; the quantized kernels, a file per block format, take most of the time)."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
@@ -46,27 +47,10 @@ setup(
     ext_modules=[
         Extension(
             "nanoserve.kernels._C",
-            sources=[
-                "kernels/csrc/paged_attention.c",
-                "kernels/csrc/linear.c",
-                "kernels/csrc/norm_rope.c",
-                "kernels/csrc/decode_step.c",
-                "kernels/csrc/quant.c",
-                "kernels/csrc/quant_format.c",
-                "kernels/csrc/quant_portable.c",
-                "kernels/csrc/quant_avx2.c",
-                "kernels/csrc/quant_avx512.c",
-                "kernels/csrc/quant_avx512_vnni.c",
-                "kernels/csrc/module.c",
-            ],
-            depends=[
-                "kernels/csrc/nanoserve.h",
-                "kernels/csrc/quant.h",
-                "kernels/csrc/quant_avx512.inc",
-                "kernels/csrc/quant_avx512_i16.inc",
-                "kernels/csrc/quant_tiles.inc",
-                "kernels/csrc/quant_strips.inc",
-            ],
+            # Every C file of kernels/csrc (not its experiments/): a new kernel file is built
+            # without a line here.
+            sources=sorted(glob("kernels/csrc/*.c")),
+            depends=sorted(glob("kernels/csrc/*.h")),
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.
             extra_compile_args=[
                 "-O3",

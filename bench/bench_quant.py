@@ -2,17 +2,17 @@
 
 SmolLM2-135M's shapes (q and o 576x576, k and v 192x576, gate and up 1536x576, down 576x1536, and
 the Q8_0 embedding / output 49152x576) at M = 1, 4, 32 and 256 rows: milliseconds per call and GB/s
-of weight bytes read, for Q8_0, Q4_0 and Q4_1 with int16 and int8 activations (kernels.ACTIVATIONS)
-on every instruction-set path this CPU runs (portable C, AVX2, AVX-512 without and with VNNI),
-beside the float32 GEMV (kernels.small_linear, M <= 4) and torch's F.linear on the float32 matrix,
-and torch's sum over 512 MiB as the machine's read bandwidth. Then the decode sweep: all 30 layers'
-matrices of SmolLM2-135M (fused qkv 960x576, o, fused gate_up 3072x576, down; 66 MB of Q4_1, more
-than the L2 caches hold) one after the other at M = 1 and 4, as a decode step reads them, beside
-small_linear on their float32 values. Prints a table, the int16 / int8 ratios, and writes
+of weight bytes read, for Q8_0, Q4_0 and Q4_1 (int16 activations) on every instruction-set path
+this CPU runs (portable C, AVX2, AVX-512 without and with VNNI), beside the float32 GEMV
+(kernels.small_linear, M <= 4) and torch's F.linear on the float32 matrix, and torch's sum over
+512 MiB as the machine's read bandwidth. Then the decode sweep: all 30 layers' matrices of
+SmolLM2-135M (fused qkv 960x576, o, fused gate_up 3072x576, down; 66 MB of Q4_1, more than the L2
+caches hold) one after the other at M = 1 and 4, as a decode step reads them, beside small_linear
+on their float32 values. Prints a table, the block matmuls beside the float32 ones, and writes
 bench/results/quant_cpu.json.
 
 --compare-dequant adds the alternative the kernels do not take: the weights de-quantized to
-float32 instead of the activations quantized to int8 (kernels/csrc/experiments/dequant_f32.c,
+float32 instead of the activations quantized to int16 (kernels/csrc/experiments/dequant_f32.c,
 compiled here with the system C compiler for -march=native and x86-64-v3: a GEMV for M <= 4, a
 panel-de-quantizing GEMM above), and de-quantize-then-F.linear (MKL's GEMM on a float copy).
 
@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from bench.machine import cpu_model, median_ms
 from nanoserve import kernels
 from nanoserve.kernels import c_backend, quant
-from nanoserve.kernels.quant import ACTIVATIONS
 
 SHAPES = [  # N, K, what
     (576, 576, "q, o"),
@@ -97,20 +96,18 @@ def dequant_libs() -> dict[str, ctypes.CDLL]:
     return libs
 
 
-def quant_points(w: torch.Tensor, m: int, qtype: str, budget: float) -> dict[str, dict]:
-    """By activations: ms per call of each path on w quantized to qtype, x of m rows."""
+def quant_point(w: torch.Tensor, m: int, qtype: str, budget: float) -> dict:
+    """ms per call of each path on w quantized to qtype, x of m rows."""
     q = kernels.quantize(w, qtype)
     x = torch.randn(m, w.shape[1])
     out = torch.empty(m, w.shape[0])
-    times: dict[str, dict] = {act: {} for act in ACTIVATIONS}
+    times = {}
     before = (quant.cpu_isa(), quant.uses_vnni())
     for label, path, vnni in paths():
         quant.set_isa(path, vnni)
-        for act in ACTIVATIONS:
-            call = functools.partial(kernels.quantized_linear, x, q, out, activations=act)
-            times[act][label] = median_ms(call, budget)
+        times[label] = median_ms(functools.partial(kernels.quantized_linear, x, q, out), budget)
     quant.set_isa(*before)
-    return {act: {"weight_bytes": q.data.numel(), "ms": ms} for act, ms in times.items()}
+    return {"weight_bytes": q.data.numel(), "ms": times}
 
 
 def dequant_points(w: torch.Tensor, m: int, qtype: str, libs: dict, budget: float) -> dict:
@@ -152,9 +149,9 @@ def measure(args: argparse.Namespace, libs: dict) -> list[dict]:
             points.append({**base, "qtype": "float32", **float_points(w, m, budget)})
             print_point(points[-1])
             for qtype in qtypes:
-                for act, point in quant_points(w, m, qtype, budget).items():
-                    points.append({**base, "qtype": qtype, "activations": act, **point})
-                    print_point(points[-1])
+                point = quant_point(w, m, qtype, budget)
+                points.append({**base, "qtype": qtype, "activations": "int16", **point})
+                print_point(points[-1])
                 if libs:  # the weights de-quantized to float: float32 activations
                     ms = dequant_points(w, m, qtype, libs, budget)
                     point = {"weight_bytes": points[-1]["weight_bytes"], "ms": ms}
@@ -174,7 +171,7 @@ def print_point(p: dict) -> None:
 
 def sweep(budget: float) -> list[dict]:
     """ms per decode sweep over SmolLM2-135M's layer matrices (LAYER_SHAPES, LAYERS times; random
-    values of its scale) in Q4_1, each path and activations, and small_linear on the floats."""
+    values of its scale) in Q4_1 on each path, and small_linear on the floats."""
     g = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS
     floats = [torch.randn(s, generator=g) / s[1] ** 0.5 for s in shapes]
@@ -189,13 +186,9 @@ def sweep(budget: float) -> list[dict]:
         before = (quant.cpu_isa(), quant.uses_vnni())
         for label, path, vnni in paths():
             quant.set_isa(path, vnni)
-            for act in ACTIVATIONS:
-                calls = [
-                    functools.partial(kernels.quantized_linear, xs[b.shape[1]], b, activations=act)
-                    for b in blocks
-                ]
-                ms = median_ms(lambda calls=calls: [c() for c in calls], budget)
-                points.append(sweep_point(m, f"q4_1 {act}", label, nbytes, ms))
+            calls = [functools.partial(kernels.quantized_linear, xs[b.shape[1]], b) for b in blocks]
+            ms = median_ms(lambda calls=calls: [c() for c in calls], budget)
+            points.append(sweep_point(m, "q4_1 int16", label, nbytes, ms))
         quant.set_isa(*before)
     return points
 
@@ -211,38 +204,34 @@ def sweep_point(m: int, what: str, path: str | None, nbytes: int, ms: float) -> 
 
 
 def summary(points: list[dict], sweeps: list[dict]) -> list[dict]:
-    """int16 over int8 per shape, M, format and path, beside the float32 matmuls' times; and per
-    decode sweep."""
+    """The block matmul's ms per shape, M, format and path beside the float32 matmuls' ms on the
+    same shape; and per decode sweep."""
     floats = {(p["n"], p["k"], p["m"]): p["ms"] for p in points if p["qtype"] == "float32"}
-    by_act = {(p["n"], p["k"], p["m"], p["qtype"], p.get("activations")): p["ms"] for p in points}
     rows = []
-    for (n, k, m, qtype, act), ms in by_act.items():
-        if act != "int16":
+    for p in points:
+        if p.get("activations") != "int16":
             continue
-        int8 = by_act[n, k, m, qtype, "int8"]
-        for path, t in ms.items():
-            row = {"n": n, "k": k, "m": m, "qtype": qtype, "path": path, "int16_ms": t}
-            row |= {"int8_ms": int8[path], "int16_over_int8": round(t / int8[path], 3)}
-            rows.append(row | {f"float32 {f}_ms": v for f, v in floats[n, k, m].items()})
+        for path, t in p["ms"].items():
+            row = {"n": p["n"], "k": p["k"], "m": p["m"], "qtype": p["qtype"], "path": path}
+            row |= {"ms": t} | {
+                f"float32 {f}_ms": v for f, v in floats[p["n"], p["k"], p["m"]].items()
+            }
+            rows.append(row)
     sweep_ms = {(p["m"], p["path"], p["what"]): p["ms"] for p in sweeps}
     for (m, path, what), t in sweep_ms.items():
         if what == "q4_1 int16":
-            int8 = sweep_ms[m, path, "q4_1 int8"]
-            row = {"sweep": True, "m": m, "path": path, "int16_ms": t, "int8_ms": int8}
-            row |= {"int16_over_int8": round(t / int8, 3)}
+            row = {"sweep": True, "m": m, "path": path, "ms": t}
             rows.append(row | {"float32 small_linear_ms": sweep_ms[m, None, "float32"]})
     return rows
 
 
 def print_summary(rows: list[dict]) -> None:
-    print("\nint16 / int8 (and float32's ms):")
+    print("\nblocks (int16 activations) beside float32:")
     for r in rows:
         where = "sweep" if r.get("sweep") else f"{r['n']}x{r['k']} {r['qtype']}"
         floats = [(f, r.get(f"float32 {f}_ms")) for f in ("F.linear", "small_linear")]
-        extra = "".join(f" | {f} {t:.3f} ms" for f, t in floats if t)
-        times = f"int16 {r['int16_ms']:.3f} ms int8 {r['int8_ms']:.3f} ms"
-        ratio = f"{r['int16_over_int8']:.2f}x"
-        print(f"  {where:16s} M={r['m']:<3d} {r['path']:12s} {times} = {ratio}{extra}")
+        extra = "".join(f" | {f} {t:.3f} ms = {r['ms'] / t:.2f}x" for f, t in floats if t)
+        print(f"  {where:16s} M={r['m']:<3d} {r['path']:12s} {r['ms']:.3f} ms{extra}")
 
 
 def machine() -> dict:

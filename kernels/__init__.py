@@ -7,7 +7,7 @@ small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory spee
 rms_norm and rope_ do Llama's RMSNorm and rotary embedding in one C call each on the CPU.
 quantized_linear multiplies by a matrix kept in llama.cpp's GGUF block formats (QUANT_TYPES: Q8_0,
 Q4_0, Q4_1; see kernels/quant.py) on the CPU's best instruction set (cpu_isa()), its input rounded
-to int16 (the default) or int8 (ACTIVATIONS).
+to int16 (ACTIVATIONS).
 """
 
 from .api import (

@@ -39,6 +39,10 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows small_linear and decode_layers take (NS_GEMV_ROWS in csrc/nanoserve.h). The 4 is
 # only for a source tree that was never built, whose C kernels cannot run anyway.
 GEMV_ROWS: int = _C.GEMV_ROWS if _C is not None else 4
+# The GGUF block formats the C kernels take, {name: (GGML type id, bytes of a block of 32
+# values)}, from their one table (NS_BLOCK_FORMATS in csrc/quant.h); empty in a source tree that
+# was never built.
+BLOCK_FORMATS: dict[str, tuple[int, int]] = dict(_C.BLOCK_FORMATS) if _C is not None else {}
 
 
 def paged_attention_decode(
@@ -140,27 +144,13 @@ def rope_(
     )
 
 
-# GGML's type ids of the GGUF block formats: the C module's qtype codes (enum ns_qtype).
-QTYPE_CODES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+# GGML's type ids of the GGUF block formats: the C module's qtype codes.
+QTYPE_CODES = {name: code for name, (code, _) in BLOCK_FORMATS.items()}
 # decode_layers' qtypes columns: the matrices of a layer that may be GGUF block matrices.
 QUANT_MATRICES = ("qkv", "o", "gate_up", "down")
-# The integers the quantized matmuls round their float32 input to, by name (kernels.quant's
-# ACTIVATIONS): the C module's codes, their bits (enum ns_act).
-ACTIVATION_CODES = {"int16": 16, "int8": 8}
 
 
-def _activation_code(activations: str) -> int:
-    try:
-        return ACTIVATION_CODES[activations]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"activations must be one of {tuple(ACTIVATION_CODES)}, got {activations!r}"
-        ) from None
-
-
-def quant_linear(
-    x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor, activations: str = "int16"
-) -> None:
+def quant_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
     _C.quant_linear(
         out=out.data_ptr(),
         x=x.data_ptr(),
@@ -170,7 +160,6 @@ def quant_linear(
         K=x.shape[1],
         qtype=QTYPE_CODES[qtype],
         num_threads=torch.get_num_threads(),
-        activations=_activation_code(activations),
     )
 
 
@@ -232,15 +221,12 @@ def decode_layers(
     eps: float,
     scale: float,
     qtypes: torch.Tensor | None = None,
-    activations: str = "int16",
 ) -> None:
     """qtypes: None (every matrix a float tensor of h's dtype), or an int32 table [num_layers, 4]
     whose columns are QUANT_MATRICES: 0 for a float matrix, a QTYPE_CODES value for a matrix of
     GGUF blocks (rows of blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), whose
-    pointer the layers table then holds; quantized matrices need a float32 h. activations: the
-    integers ("int16" or "int8", ACTIVATION_CODES) the matmuls on block matrices round their input
-    to, for the whole step (see kernels.quant.quantized_linear)."""
-    code = _activation_code(activations)
+    pointer the layers table then holds; quantized matrices need a float32 h (their matmuls round
+    it to int16 per block, as kernels.quant.quantized_linear)."""
     _check_qtypes(qtypes, layers.shape[0])
     _C.decode_layers(
         h=h.data_ptr(),
@@ -267,5 +253,4 @@ def decode_layers(
         dtype_code=DTYPE_CODES[h.dtype],
         num_threads=torch.get_num_threads(),
         qtypes=0 if qtypes is None else qtypes.data_ptr(),
-        activations=code,
     )

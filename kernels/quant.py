@@ -4,18 +4,17 @@ A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of 32 
 never de-quantized to a float matrix. Q8_0: fp16 d + 32 int8 q (34 bytes, value q d); Q4_0: fp16
 d + 16 bytes of nibbles (18 bytes, value (q - 8) d); Q4_1: fp16 d, fp16 m + 16 bytes (20 bytes,
 value q d + m); byte j of a 4-bit block holds value j in its low nibble and value j + 16 in its high
-one. quantize() makes one from float weights (the bytes gguf.quants.quantize makes), dequantize()
-is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in one C call.
+one (the structs and the one table of formats: kernels/csrc/quant.h, whence QUANT_TYPES and
+BLOCK_BYTES). quantize() makes one from float weights (the bytes gguf.quants.quantize makes),
+dequantize() is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in one C call.
 
-quantized_linear quantizes each row of x per block of 32 to integers, int16 by default (dx =
-max|x| / 32767) or int8 (dx = max|x| / 127, as llama.cpp's Q8 activations), and takes exact integer
-dot products with the weight blocks, scaled by d dx in float: so its result differs from
-x @ dequantize(w).T by at most the sum over blocks of dx / 2 times the block's sum of |w|, plus
-float rounding. int8's error, 0.5-0.9% (relative norm) on SmolLM2-135M's matrices, flips its
-greedy answers; int16's is ~250x smaller, for half the products per multiply instruction: measured
-(bench/bench_quant.py, AVX-512 VNNI) 1.1-1.25x int8's time at M <= 4, 1.2-1.5x at M >= 32. A row's
-result is bitwise the same whatever the other rows, M or the thread count; the instruction-set
-paths (cpu_isa()) differ by rounding only.
+quantized_linear quantizes each row of x per block of 32 to int16 (dx = max|x| / 32767) and takes
+exact integer dot products with the weight blocks, scaled by d dx in float: so its result differs
+from x @ dequantize(w).T by at most the sum over blocks of dx / 2 times the block's sum of |w|, plus
+float rounding. int8 activations, llama.cpp's (dx = max|x| / 127), would double the products per
+multiply instruction, but their error, 0.5-0.9% (relative norm) on SmolLM2-135M's matrices, flips
+its greedy answers; int16's is ~250x smaller. A row's result is bitwise the same whatever the other
+rows, M or the thread count; the instruction-set paths (cpu_isa()) differ by rounding only.
 """
 
 from __future__ import annotations
@@ -29,12 +28,12 @@ from . import c_backend
 from .api import _check_tensor
 from .errors import BackendUnavailableError
 
-QUANT_TYPES = ("q8_0", "q4_0", "q4_1")
+QUANT_TYPES = tuple(c_backend.BLOCK_FORMATS)  # ("q8_0", "q4_0", "q4_1"); () if never built
+BLOCK_BYTES = {name: size for name, (_, size) in c_backend.BLOCK_FORMATS.items()}
 BLOCK_VALUES = 32  # values per block, along K
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 ISA_PATHS = ("portable", "avx2", "avx512")  # in order; NANOSERVE_ISA caps the choice
 ALIGNMENT = 64  # bytes; where a QuantizedWeight's data starts
-ACTIVATIONS = ("int16", "int8")  # quantized_linear's activations; the first is the default
+ACTIVATIONS = ("int16",)  # the integers quantized_linear rounds its input to
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +52,7 @@ class QuantizedWeight:
     shape: tuple[int, int]
 
     def __post_init__(self) -> None:
+        _require_c()  # the formats come from the C module's table
         if self.qtype not in QUANT_TYPES:
             raise ValueError(f"qtype must be one of {QUANT_TYPES}, got {self.qtype!r}")
         shape = _matrix_shape(self.shape)
@@ -163,9 +163,9 @@ def quantized_linear(
     activations: str = ACTIVATIONS[0],
 ) -> torch.Tensor:
     """x @ dequantize(w).T on x rounded per block of 32 to `activations` (one of ACTIVATIONS:
-    "int16", the default, or "int8"; see the module's docstring): x [M, K] float32, contiguous,
-    CPU; returns out [M, N] float32 (written in place when given). One C call, with the GIL
-    released; threads: torch.get_num_threads()."""
+    "int16"; see the module's docstring): x [M, K] float32, contiguous, CPU; returns out [M, N]
+    float32 (written in place when given). One C call, with the GIL released; threads:
+    torch.get_num_threads()."""
     _check_quantized_linear(x, w, out)
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -173,7 +173,7 @@ def quantized_linear(
     if out is None:
         out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     if out.numel():
-        c_backend.quant_linear(x, w.data, w.qtype, out, activations)
+        c_backend.quant_linear(x, w.data, w.qtype, out)
     return out
 
 
@@ -186,8 +186,7 @@ def cpu_isa() -> str:
 
 
 def uses_vnni() -> bool:
-    """Whether the AVX-512 path is in use with AVX512-VNNI's vpdpbusd (int8 activations) and
-    vpdpwssd (int16)."""
+    """Whether the AVX-512 path is in use with AVX512-VNNI's vpdpwssd."""
     _require_c()
     return bool(c_backend._C.quant_isa()[1])
 

@@ -12,10 +12,10 @@
  * tensors' types and shapes are checked by the caller (src/nanoserve/model/cpu_step.py).
  *
  * With float32 activations each of qkv, o, gate_up and down may instead be a matrix of GGUF blocks
- * (quant.c), as an optional table of codes says, one row per layer: 0 for a float matrix of the
- * step's dtype, else the GGML type id; `activations` (16 or 8, for the whole step) says whether
- * those matmuls quantize their input to int16 or int8. Rows of blocks concatenate like rows of
- * floats, so the fused qkv and gate_up matrices are the row-concatenations of their parts' blocks.
+ * (quant.c, whose matmuls quantize their input to int16), as an optional table of codes says, one
+ * row per layer: 0 for a float matrix of the step's dtype, else the GGML type id. Rows of blocks
+ * concatenate like rows of floats, so the fused qkv and gate_up matrices are the
+ * row-concatenations of their parts' blocks.
  */
 #include "nanoserve.h"
 
@@ -36,7 +36,7 @@ typedef struct {
     decode_args attn; /* out, q, caches set per layer */
     Py_ssize_t num_layers, rows, hidden, heads, kv_heads, head_dim, intermediate;
     float eps;
-    int dtype, threads, act; /* act: the quantized matmuls' activations (NS_ACT_*) */
+    int dtype, threads;
 } step_args;
 
 /* run_layers' scratch, in elements of the model dtype: x [rows, hidden] (a normed h), o [rows,
@@ -57,7 +57,7 @@ static int matmul(const step_args *s, const uint64_t *w, int which, void *out, c
     const Py_ssize_t layer = (w - s->layers) / PER_LAYER;
     const int qtype = s->qtypes ? s->qtypes[layer * QUANT_PER_LAYER + which] : 0;
     const void *m = weight(w, column[which]);
-    if (qtype) return nanoserve_quant_matmul(out, x, m, s->rows, N, K, qtype, s->act, s->threads);
+    if (qtype) return nanoserve_quant_matmul(out, x, m, s->rows, N, K, qtype, s->threads);
     return nanoserve_gemv(out, x, m, s->rows, N, K, s->dtype, s->threads);
 }
 
@@ -172,18 +172,15 @@ static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
                              "table_rows", "block_tables", "context_lens", "max_blocks_per_seq",
                              "block_size", "num_blocks", "rows", "hidden", "heads", "kv_heads",
                              "head_dim", "intermediate", "eps", "scale", "dtype_code",
-                             "num_threads", "qtypes", "activations", NULL};
+                             "num_threads", "qtypes", NULL};
     unsigned long long h, layers, positions, slots, cos, sin, tables, lens, qtypes = 0;
     decode_args *a = &s->attn;
     double scale;
-    s->act = NS_ACT_INT16;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "KKnKKKKnKKnnnnnnnnnfdii|Ki", kwlist, &h, &layers, &s->num_layers,
+            args, kwargs, "KKnKKKKnKKnnnnnnnnnfdii|K", kwlist, &h, &layers, &s->num_layers,
             &positions, &slots, &cos, &sin, table_rows, &tables, &lens, &a->max_blocks_per_seq,
             &a->block_size, &a->num_blocks, &s->rows, &s->hidden, &s->heads, &s->kv_heads,
-            &s->head_dim, &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads, &qtypes,
-            &s->act) ||
-        nanoserve_check_activations("decode_layers", s->act) < 0)
+            &s->head_dim, &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads, &qtypes))
         return -1;
     s->qtypes = (const int32_t *)(uintptr_t)qtypes;
     s->h = (void *)(uintptr_t)h;
@@ -225,10 +222,10 @@ static int check_qtypes(const step_args *s) {
     for (Py_ssize_t i = 0; s->qtypes && i < s->num_layers * QUANT_PER_LAYER; i++) {
         const int q = s->qtypes[i], which = (int)(i % QUANT_PER_LAYER);
         if (q == 0) continue;
-        const char *why = !ns_block_bytes(q)  ? "is no GGUF block format code (2, 3, 8)"
-                          : s->dtype != NS_F32 ? "needs float32 activations"
-                          : K[which] % 32      ? "needs K, its columns, a multiple of 32"
-                                               : NULL;
+        const char *why = !nanoserve_block_bytes(q) ? "is no GGUF block format (_C.BLOCK_FORMATS)"
+                          : s->dtype != NS_F32        ? "needs float32 activations"
+                          : K[which] % 32             ? "needs K, its columns, a multiple of 32"
+                                                      : NULL;
         if (why) {
             PyErr_Format(PyExc_ValueError, "qtypes[%zd, %d] = %d (%s) %s", i / QUANT_PER_LAYER,
                          which, q, names[which], why);

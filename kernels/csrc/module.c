@@ -1,6 +1,7 @@
 /* The module nanoserve.kernels._C: its method table and constants. The entry points live beside
- * their kernels (paged_attention.c, linear.c, norm_rope.c, decode_step.c); each takes its
- * arguments by keyword (kernels/c_backend.py names every one), pointers as ints. */
+ * their kernels (paged_attention.c, linear.c, norm_rope.c, decode_step.c, quant.c,
+ * quant_convert.c); each takes its arguments by keyword (kernels/c_backend.py names every one),
+ * pointers as ints. */
 #include "nanoserve.h"
 
 #include <omp.h>
@@ -34,16 +35,14 @@ static PyMethodDef methods[] = {
     {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
      "decode_layers(h, layers, num_layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
-     "head_dim, intermediate, eps, scale, dtype_code, num_threads, qtypes=0, activations=16): a "
-     "decode step of up to GEMV_ROWS rows through every layer, h updated in place; pointers as "
-     "ints. qtypes: an int32 [num_layers, 4] table (qkv, o, gate_up, down) of GGML type ids of "
-     "GGUF block matrices, 0 for float ones (float32 activations only), or 0 for none; "
-     "activations: 16 or 8, the integers those matrices' matmuls quantize their input to."},
+     "head_dim, intermediate, eps, scale, dtype_code, num_threads, qtypes=0): a decode step of "
+     "up to GEMV_ROWS rows through every layer, h updated in place; pointers as ints. qtypes: an "
+     "int32 [num_layers, 4] table (qkv, o, gate_up, down) of GGML type ids of GGUF block "
+     "matrices (BLOCK_FORMATS), 0 for float ones (float32 activations only), or 0 for none."},
     {"quant_linear", KW_FUNCTION(nanoserve_py_quant_linear), METH_VARARGS | METH_KEYWORDS,
-     "quant_linear(out, x, w, M, N, K, qtype, num_threads, activations=16): out [M, N] float32 "
-     "= x [M, K] float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (2 "
-     "Q4_0, 3 Q4_1, 8 Q8_0), x quantized per block to int16 (activations=16) or int8 (8); "
-     "pointers as ints."},
+     "quant_linear(out, x, w, M, N, K, qtype, num_threads): out [M, N] float32 = x [M, K] "
+     "float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (BLOCK_FORMATS), "
+     "x quantized per block to int16; pointers as ints."},
     {"quantize", KW_FUNCTION(nanoserve_py_quantize), METH_VARARGS | METH_KEYWORDS,
      "quantize(out, w, N, K, qtype, num_threads): w [N, K] float32 into N rows of GGUF blocks, "
      "the bytes of gguf.quants.quantize."},
@@ -68,7 +67,8 @@ static struct PyModuleDef module = {
     "_C",
     "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE, the one-call decode step and "
     "matmuls on GGUF block weights; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and "
-    "decode_layers take.",
+    "decode_layers take; BLOCK_FORMATS: {name: (GGML type id, bytes of a block of 32 values)} of "
+    "the block formats.",
     -1,
     methods,
     NULL,
@@ -80,6 +80,9 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__C(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "GEMV_ROWS", NS_GEMV_ROWS) < 0) Py_CLEAR(m);
+    PyObject *formats = m ? nanoserve_block_formats() : NULL;
+    if (m && (!formats || PyModule_AddObjectRef(m, "BLOCK_FORMATS", formats) < 0)) Py_CLEAR(m);
+    Py_XDECREF(formats);
     if (m && nanoserve_quant_init() < 0) Py_CLEAR(m);
     return m;
 }

@@ -156,27 +156,13 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
                    Py_ssize_t K, int dtype, int num_threads);
 
 /* quant.c: out [M, N] float32 = x [M, K] float32 times the transpose of w [N, K], a matrix of
- * GGUF blocks of GGML type qtype (NS_Q*); K a multiple of 32; x quantized per block of 32 to the
- * integers act says (NS_ACT_*). Each out[m, n] depends on row m of x and row n of w only (bitwise,
- * whatever M, the other rows or the thread count). 0, or -1 when out of memory. */
-enum ns_qtype { NS_Q4_0 = 2, NS_Q4_1 = 3, NS_Q8_0 = 8 };
-/* The activations' integers, by their bits (kernels/c_backend.py ACTIVATION_CODES). */
-enum ns_act { NS_ACT_INT8 = 8, NS_ACT_INT16 = 16 };
-enum { Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20 };
-
-/* Bytes of one block of the format with GGML type id qtype (NS_Q*), or 0 for no format. */
-static inline size_t ns_block_bytes(int qtype) {
-    switch (qtype) {
-    case NS_Q8_0: return Q8_0_BYTES;
-    case NS_Q4_0: return Q4_0_BYTES;
-    case NS_Q4_1: return Q4_1_BYTES;
-    default: return 0;
-    }
-}
+ * GGUF blocks of GGML type qtype (a code of quant.h's NS_BLOCK_FORMATS); K a multiple of 32; x
+ * quantized per block of 32 to int16. Each out[m, n] depends on row m of x and row n of w only
+ * (bitwise, whatever M, the other rows or the thread count). 0, or -1 when out of memory. */
 int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
-                           Py_ssize_t K, int qtype, int act, int num_threads);
-/* 0, or -1 with a ValueError naming fn when act is no NS_ACT_* code. */
-int nanoserve_check_activations(const char *fn, int act);
+                           Py_ssize_t K, int qtype, int num_threads);
+/* Bytes of one block of the format with GGML type id qtype, or 0 for no format. */
+size_t nanoserve_block_bytes(int qtype);
 
 /* norm_rope.c */
 void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t rows,
@@ -198,6 +184,9 @@ PyObject *nanoserve_py_dequantize(PyObject *self, PyObject *args, PyObject *kwar
 PyObject *nanoserve_py_set_quant_isa(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quant_isa(PyObject *self, PyObject *unused);
 PyObject *nanoserve_py_cpu_quant_isa(PyObject *self, PyObject *unused);
+/* _C.BLOCK_FORMATS, {name: (GGML type id, block bytes)} of quant.h's table, or NULL with an error
+ * set. */
+PyObject *nanoserve_block_formats(void);
 /* Picks the quantized kernels' path at module load (the CPU's best, capped by NANOSERVE_ISA); 0,
  * or -1 with a ValueError set for an unknown NANOSERVE_ISA. */
 int nanoserve_quant_init(void);

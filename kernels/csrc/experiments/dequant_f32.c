@@ -1,7 +1,8 @@
 /* The road not taken, kept for `python -m bench.bench_quant --compare-dequant`: the same matmul on
  * GGUF block weights with the weights de-quantized to float32 instead of the activations quantized
- * to int8 (what nanoserve.kernels ships, quant*.c). Not part of the module; the benchmark compiles
- * this file with the system compiler (-O3, -march=native or x86-64-v3) and loads it with ctypes.
+ * to int16 (what nanoserve.kernels ships, quant*.c). Not part of the module; the benchmark
+ * compiles this file with the system compiler (-O3, -march=native or x86-64-v3) and loads it with
+ * ctypes.
  *
  * GEMV (M <= 4): each block expanded to 32 floats in registers (w = q d + m) and FMA'd against
  * each float row of x; blocks in order, 16 lanes, one pass over W.

@@ -1,0 +1,108 @@
+/* Q4_1 (block_q4_1: fp16 d, fp16 m, 16 bytes of nibbles q; value q d + m): quantize and
+ * de-quantize a block as gguf does, and the matmul's kernels, one per path: portable C (the
+ * reference), AVX2, AVX-512 and AVX-512 with VNNI. The SIMD kernels are quant_strips_*.h's drivers
+ * with this format's unpacking. The min's share of a block's dot is m dx sum(q): m times the
+ * activations' sx.
+ */
+#include "quant.h"
+#include "quant_strips_avx2.h"
+#include "quant_strips_avx512.h"
+
+/* m = min x, d = (max x - m) / 15, q = trunc((x - m) / d + 0.5) capped at 15. */
+void q4_1_quantize(void *block, const float *x) {
+    block_q4_1 *b = block;
+    float min = x[0], max = x[0];
+    for (int j = 1; j < QK; j++) {
+        min = x[j] < min ? x[j] : min;
+        max = x[j] > max ? x[j] : max;
+    }
+    const float d = (max - min) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t q[QK];
+    for (int j = 0; j < QK; j++) {
+        const int v = (int)(ns_unfused((x[j] - min) * id) + 0.5f);
+        q[j] = (uint8_t)(v < 15 ? v : 15);
+    }
+    b->d = ns_f32_to_f16(d);
+    b->m = ns_f32_to_f16(min);
+    ns_pack_nibbles(b->qs, q);
+}
+
+void q4_1_dequantize(float *x, const void *block) {
+    const block_q4_1 *b = block;
+    const float d = ns_f16_to_f32(b->d), m = ns_f16_to_f32(b->m);
+    for (int j = 0; j < QK / 2; j++) {
+        x[j] = ns_unfused(d * (float)(b->qs[j] & 15)) + m;
+        x[j + QK / 2] = ns_unfused(d * (float)(b->qs[j] >> 4)) + m;
+    }
+}
+
+/* ---------------------------------------------------------------- portable C */
+
+/* The exact integer dot of a block's q and 32 activations in order. */
+static int32_t q4_1_dot(const block_q4_1 *b, const int16_t *x) {
+    int32_t s = 0;
+    for (int j = 0; j < QK / 2; j++) s += (b->qs[j] & 15) * x[j] + (b->qs[j] >> 4) * x[j + QK / 2];
+    return s;
+}
+
+/* One output at a time, blocks in order. */
+void q4_1_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    const ns_xq *xq = a->x;
+    const Py_ssize_t nb = a->K / QK;
+    for (Py_ssize_t n = n0; n < n1; n++) {
+        const block_q4_1 *row = (const block_q4_1 *)(a->w + (size_t)n * a->row_bytes);
+        for (Py_ssize_t m = 0; m < a->M; m++) {
+            const int16_t *x = xq->q + m * nb * QK;
+            const float *dx = xq->dx + m * nb, *sx = xq->sx + m * nb;
+            float acc = 0.0f;
+            for (Py_ssize_t b = 0; b < nb; b++) {
+                acc += (float)q4_1_dot(row + b, x + b * QK) * (ns_f16_to_f32(row[b].d) * dx[b]);
+                acc += ns_f16_to_f32(row[b].m) * sx[b];
+            }
+            a->out[m * a->N + n] = acc;
+        }
+    }
+}
+
+#if NS_X86
+/* ---------------------------------------------------------------- AVX2 */
+
+/* The blocks at w of 8 rows: d, m and the nibble pairs (NS_NIBBLE_PAIRS). */
+AVX2_INLINE void q4_1_unpack_avx2(strip8 *s, const char *w, size_t stride) {
+    const block_q4_1 *b = (const block_q4_1 *)w;
+    strip_heads_avx2(&s->d, &s->m, w, stride, 1);
+    __m256i g[4];
+    transpose_rows_avx2(g, (const char *)b->qs, stride);
+    nibble_pairs_avx2(s->p, g, 0);
+}
+
+static const strip8_format Q4_1_AVX2 = {q4_1_unpack_avx2, sizeof(block_q4_1), 1};
+
+__attribute__((target(AVX2_TARGET))) void q4_1_matmul_avx2(const ns_qmm *a, Py_ssize_t n0,
+                                                          Py_ssize_t n1) {
+    matmul_avx2(a, n0, n1, Q4_1_AVX2);
+}
+
+/* ---------------------------------------------------------------- AVX-512 */
+
+/* The blocks at w of 16 rows: d, m and the nibble pairs (NS_NIBBLE_PAIRS). */
+AVX512_INLINE void q4_1_unpack_avx512(strip16 *s, const char *w, size_t stride) {
+    const block_q4_1 *b = (const block_q4_1 *)w;
+    strip_heads_avx512(&s->d, &s->m, w, stride, 1);
+    __m512i g[4];
+    transpose_rows_avx512(g, (const char *)b->qs, stride);
+    nibble_pairs_avx512(s->p, g, 0);
+}
+
+static const strip16_format Q4_1_AVX512 = {q4_1_unpack_avx512, sizeof(block_q4_1), 1};
+
+__attribute__((target(AVX512_TARGET))) void q4_1_matmul_avx512(const ns_qmm *a, Py_ssize_t n0,
+                                                              Py_ssize_t n1) {
+    matmul_avx512(a, n0, n1, Q4_1_AVX512, 0);
+}
+
+__attribute__((target(AVX512_TARGET))) void q4_1_matmul_avx512_vnni(const ns_qmm *a,
+                                                                   Py_ssize_t n0, Py_ssize_t n1) {
+    matmul_avx512(a, n0, n1, Q4_1_AVX512, 1);
+}
+#endif
