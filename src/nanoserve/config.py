@@ -47,6 +47,9 @@ class EngineConfig:
     # None: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks (CPU, float32, one process);
     # "q8_0"... quantizes a float checkpoint's matrices at load; "none" de-quantizes a GGUF's.
     quantization: str | None = None
+    # A request that gives no max_tokens generates this many at most (and never past the context):
+    # a small model asked an open question can otherwise loop until its context is full.
+    default_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
         checks = {
@@ -63,6 +66,8 @@ class EngineConfig:
             "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
             "tensor_parallel_size": isinstance(self.tensor_parallel_size, int)
             and self.tensor_parallel_size > 0,
+            "default_max_tokens": isinstance(self.default_max_tokens, int)
+            and self.default_max_tokens > 0,
         }
         for name, ok in checks.items():
             if not ok:

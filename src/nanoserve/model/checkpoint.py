@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
-from nanoserve.model.config import ModelConfig
-from nanoserve.model.loader import read_checkpoint
+from nanoserve.model.config import CheckpointError, ModelConfig
+from nanoserve.model.loader import checkpoint_files, read_checkpoint
 from nanoserve.model.quantized import Weight
 from nanoserve.tokenizer import Tokenizer
 
@@ -35,11 +35,21 @@ class Checkpoint(Protocol):
 
 class HFCheckpoint:
     def __init__(self, path: str | Path) -> None:
+        """Reads config.json and checks that the tokenizer and the weights are there, so that a
+        broken directory is refused before anything loads."""
         self.path = Path(path)
         self.config = ModelConfig.from_dir(self.path)
+        if not (self.path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{self.path}: no tokenizer.json (nanoserve reads Hugging Face fast tokenizers)"
+            )
+        checkpoint_files(self.path)
 
     def tokenizer(self) -> Tokenizer:
-        return Tokenizer.from_dir(self.path)
+        try:
+            return Tokenizer.from_dir(self.path)
+        except Exception as e:  # the tokenizers library raises bare Exceptions
+            raise CheckpointError(f"{self.path}: cannot read its tokenizer ({e})") from None
 
     def block_formats(self) -> list[str]:
         return []

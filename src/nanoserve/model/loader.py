@@ -8,7 +8,6 @@ checkpoint's safetensors (single file or shards). Owns nothing after loading.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanoserve.model.config import ModelConfig
+from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
 from nanoserve.model.parallel import SINGLE, Parallel, shard
 from nanoserve.model.quantized import QuantizedWeight, QuantLinear, Weight, cat_rows, placed
@@ -77,17 +76,25 @@ def read_checkpoint(
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: a single file, or the shards its index
+    names (FileNotFoundError naming the directory or the missing shard)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: weight_map is missing or empty")
+        files = [path / str(name) for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}: missing (named in {index.name})")
+        return files
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
     raise FileNotFoundError(
-        f"no model.safetensors or model.safetensors.index.json in {path}; "
-        "nanoserve loads Hugging Face checkpoints in safetensors format"
+        f"{path}: no model.safetensors or model.safetensors.index.json "
+        "(nanoserve loads Hugging Face checkpoints in safetensors format)"
     )
 
 
