@@ -1,11 +1,15 @@
-"""`nanoserve generate` prints a completion, on the built-in demo model and on a checkpoint."""
+"""`nanoserve` on the command line: `generate` prints a completion (on the demo model and on a
+checkpoint), and every mistake a user can make is one line on stderr with exit status 2."""
 
+import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.demo import demo_model_dir
@@ -82,17 +86,48 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir, tmp_pa
     [
         (["--block-size", "3"], ["block_size=3"]),
         (["--dtype", "float16"], ["float16 is not supported on the CPU"]),
-        (["--device", "cuda"], ["--device cuda", "no CUDA device"]),
-        (["--max-queue", "-1"], ["--max-queue must be >= 0"]),
+        (["--max-queue", "-1"], ["--max-queue must be >= 1", "got -1"]),
+        (["--max-queue", "0"], ["--max-queue must be >= 1", "got 0"]),
+        (["--default-max-tokens", "0"], ["default_max_tokens=0"]),
+        (["--port", "80800"], ["--port", "80800 is outside 0..65535"]),
+        (["--port", "http"], ["--port", "not a port number"]),
     ],
 )
 def test_bad_settings_are_one_line(tiny_model_dir, tmp_path, args, words):
-    result = _run("serve", str(tiny_model_dir), *args, env_cache=tmp_path)
+    result = _run("serve", str(tiny_model_dir), "--port", "0", *args, env_cache=tmp_path)
     _one_line_error(result, *words)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_one_line(tiny_model_dir, tmp_path):
+    result = _run(
+        "generate", str(tiny_model_dir), "--prompt", "x", "--device", "cuda", env_cache=tmp_path
+    )
+    _one_line_error(result, "--device cuda", "no CUDA device")
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--temprature", "0"], ["unrecognized arguments: --temprature 0", "--temperature?"]),
+        (["--max-tokns=4"], ["did you mean --max-tokens?"]),
+        (["--top-pp", "0.5"], ["did you mean --top-p?"]),
+    ],
+)
+def test_a_mistyped_flag_suggests_the_right_one(tiny_model_dir, tmp_path, args, words):
+    result = _run("generate", str(tiny_model_dir), "--prompt", "x", *args, env_cache=tmp_path)
+    _one_line_error(result, *words)
+
+
+def test_a_hub_name_says_that_nothing_is_downloaded(tmp_path):
+    for command in (["serve", "--port", "0"], ["chat"], ["generate", "--prompt", "x"]):
+        result = _run(*command, "HuggingFaceTB/SmolLM2-135M-Instruct", env_cache=tmp_path)
+        _one_line_error(result, "HuggingFaceTB/SmolLM2-135M-Instruct", "downloads nothing",
+                        "local path")  # fmt: skip
+
+
 def test_a_missing_model_is_one_line(tmp_path):
-    for command in (["serve"], ["generate", "--prompt", "x"]):
+    for command in (["serve", "--port", "0"], ["generate", "--prompt", "x"]):
         result = _run(*command, str(tmp_path / "nowhere"), env_cache=tmp_path)
         _one_line_error(result, "no model at", "nowhere")
         result = _run(*command, str(tmp_path), env_cache=tmp_path)
@@ -141,3 +176,61 @@ def test_generate_without_a_model_runs_smollm2(tmp_path):
                   env_cache=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is") and "Paris" in result.stdout
+
+
+def _broken_copy(model_dir, tmp_path, config=None, remove=()):
+    """A copy of `model_dir` with config.json replaced by `config` (JSON text) and files removed."""
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    if config is not None:
+        (broken / "config.json").write_text(config)
+    for name in remove:
+        (broken / name).unlink()
+    return broken
+
+
+def _config_with(model_dir, **changes):
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(changes)
+    return json.dumps({k: v for k, v in config.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    "make_config,words",
+    [
+        (lambda d: "[]", ["expected a JSON object, got []"]),
+        (lambda d: "null", ["expected a JSON object, got null"]),
+        (lambda d: "{", ["not valid JSON"]),
+        (lambda d: '{"architectures": ["LlamaForCausalLM"]}', ["hidden_size is missing"]),
+        (lambda d: _config_with(d, num_attention_heads=0), ["num_attention_heads", "got 0"]),
+        (lambda d: _config_with(d, hidden_size="64"), ["hidden_size", "integer > 0", "'64'"]),
+        (lambda d: _config_with(d, num_key_value_heads=3), ["multiple of num_key_value_heads"]),
+        (lambda d: _config_with(d, head_dim=None, hidden_size=66), ["hidden_size (66)"]),
+        (lambda d: _config_with(d, rms_norm_eps=-1), ["rms_norm_eps must be a number > 0"]),
+        (lambda d: _config_with(d, tie_word_embeddings="yes"), ["tie_word_embeddings"]),
+        (lambda d: _config_with(d, eos_token_id="</s>"), ["eos_token_id"]),
+        (lambda d: _config_with(d, rope_scaling={"rope_type": "llama3"}), ["rope_scaling.factor"]),
+    ],
+)
+def test_a_broken_config_json_is_one_line_naming_the_file(
+    tiny_model_dir, tmp_path, make_config, words
+):
+    broken = _broken_copy(tiny_model_dir, tmp_path, config=make_config(tiny_model_dir))
+    for command in (["serve", "--port", "0"], ["generate", "--prompt", "x"]):
+        result = _run(*command, str(broken), env_cache=tmp_path)
+        _one_line_error(result, f"nanoserve: {broken / 'config.json'}: ", *words)
+
+
+@pytest.mark.parametrize(
+    "missing,words",
+    [
+        ("tokenizer.json", ["no tokenizer.json"]),
+        ("model.safetensors", ["no model.safetensors or model.safetensors.index.json"]),
+    ],
+)
+def test_a_checkpoint_without_tokenizer_or_weights_is_one_line(
+    tiny_model_dir, tmp_path, missing, words
+):
+    broken = _broken_copy(tiny_model_dir, tmp_path, remove=[missing])
+    result = _run("generate", str(broken), "--prompt", "x", env_cache=tmp_path)
+    _one_line_error(result, f"nanoserve: {broken}: ", *words)

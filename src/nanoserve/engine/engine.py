@@ -160,8 +160,9 @@ class Engine:
             self.scheduler.add(request)
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Refuse what could never run, with the numbers; returns the effective max_tokens.
-        Reads only fixed settings, so any thread may call it."""
+        """Refuse what could never run, with the numbers; returns the effective max_tokens (without
+        one: the config's default_max_tokens, or what the context leaves if less). Reads only
+        fixed settings, so any thread may call it."""
         vocab = self.model_config.vocab_size
         if not token_ids:
             raise RequestRejected("prompt is empty", "prompt")
@@ -181,7 +182,17 @@ class Engine:
                 "(max_model_len), which leaves no room to generate",
                 "prompt",
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, limit - n)
+            if params.min_tokens > max_tokens:
+                raise RequestRejected(
+                    f"min_tokens must be <= max_tokens, got {params.min_tokens}; a request "
+                    f"without max_tokens generates at most {max_tokens} tokens here "
+                    f"(--default-max-tokens {self.config.default_max_tokens}, or what the "
+                    f"{limit}-token context leaves after the {n}-token prompt)",
+                    "min_tokens",
+                )
         if n + max_tokens > limit:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens, more "
