@@ -91,6 +91,8 @@ typedef void (*ns_matmul_fn)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
  * of the AVX-512 one. */
 enum ns_path { NS_PORTABLE, NS_AVX2, NS_AVX512, NS_AVX512_VNNI, NS_NUM_PATHS };
 
+/* A row of the table of formats (NS_BLOCK_FORMATS): what the driver (quant.c, quant_convert.c)
+ * needs of a format. */
 typedef struct {
     int code;          /* ns_qtype */
     const char *name;  /* as kernels.QUANT_TYPES has it */
