@@ -38,6 +38,16 @@ def _run(llm, prompts, params):
     return [o.outputs[0].token_ids for o in outs], llm.engine.stats().num_preemptions - before
 
 
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler (KeyboardInterrupt) for one test, whatever this process
+    inherited: a shell starts a background job with SIGINT ignored, and Python then installs
+    none, so a test run with `&` would see no KeyboardInterrupt at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 class TestTwoRanksAgreeWithOne:
     """One engine of each kind for the class (one tensor-parallel engine per process at a time:
     the later tests start their own)."""
@@ -82,24 +92,57 @@ class TestTwoRanksAgreeWithOne:
         alone = tp1.generate({"prompt_token_ids": second}, GREEDY, use_tqdm=False)[0]
         assert ours.outputs[0].token_ids == alone.outputs[0].token_ids
 
-    def test_a_first_ctrl_c_waits_for_the_end_of_the_step(self, tp1, tp2, monkeypatch):
+    def test_a_first_ctrl_c_waits_for_the_end_of_the_step(
+        self, tp1, tp2, monkeypatch, python_sigint_handler
+    ):
         """SIGINT arrives while rank 0 is in a step (here: once the workers have the step's
         inputs, before rank 0 runs its part): the forward pass runs to its end on both ranks,
-        then KeyboardInterrupt; the ranks stay in step."""
+        then KeyboardInterrupt; the ranks stay in step. `raise_signal` runs the handler before
+        it returns, so the signal lands inside the step on every run."""
+        engine = tp2.engine
+        send, execute = engine.runner.send, engine.runner.execute
+        finished = []
+
+        def send_then_interrupt(inputs):
+            send(inputs)
+            signal.raise_signal(signal.SIGINT)
+
+        def execute_to_the_end(inputs):
+            result = execute(inputs)
+            finished.append(True)
+            return result
+
+        monkeypatch.setattr(engine.runner, "send", send_then_interrupt)
+        monkeypatch.setattr(engine.runner, "execute", execute_to_the_end)
+        engine.add_request("interrupted", list(range(1, 40)), GREEDY)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        assert finished == [True], "rank 0's forward pass was cut short"
+        engine.abort("interrupted")
+        monkeypatch.setattr(engine.runner, "send", send)
+        monkeypatch.setattr(engine.runner, "execute", execute)
+        prompts = _prompts(500)[:2]
+        assert _run(tp2, prompts, GREEDY)[0] == _run(tp1, prompts, GREEDY)[0]
+
+    def test_an_ignored_sigint_stays_ignored_in_a_step(self, tp2, monkeypatch):
+        """A process that ignores SIGINT (a shell's background job starts so) keeps ignoring it
+        in a step: the step leaves a handler it did not install alone."""
         engine, send = tp2.engine, tp2.engine.runner.send
 
         def send_then_interrupt(inputs):
             send(inputs)
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
 
-        monkeypatch.setattr(engine.runner, "send", send_then_interrupt)
-        engine.add_request("interrupted", list(range(1, 40)), GREEDY)
-        with pytest.raises(KeyboardInterrupt):
-            engine.step()
-        engine.abort("interrupted")
-        monkeypatch.setattr(engine.runner, "send", send)
-        prompts = _prompts(500)[:2]
-        assert _run(tp2, prompts, GREEDY)[0] == _run(tp1, prompts, GREEDY)[0]
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            monkeypatch.setattr(engine.runner, "send", send_then_interrupt)
+            engine.add_request("ignored", list(range(1, 40)), GREEDY)
+            assert engine.step() == []  # a 39-token prompt in budgets of 32: no token yet
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            engine.abort("ignored")
+        tp2.engine.audit()
 
     def test_prompt_logprobs_equal_one_process(self, tp1, tp2):
         """A 70-token prompt scored in chunks of the 32-token budget; the logits of the scored rows
