@@ -1,10 +1,13 @@
 """Continuous batching: which requests run in the next step, and with how many new tokens.
 
 Owns the waiting queue (first come, first served; preempted requests go back to its front) and the
-running list (in admission order). Each step the running requests are served first, then waiting
-ones are admitted while the token budget, the sequence budget and the free blocks (above a
-watermark) allow. A running request that cannot get its next block preempts the most recently
-admitted one, whose blocks are freed and whose tokens are recomputed when it is admitted again.
+running list (in admission order). Each step every running decode gets its token first; then the
+prefills (running ones, then admissions while the token budget, the sequence budget and the free
+blocks above a watermark allow) take turns of at most `prefill_turn` tokens each, and what budget
+is left goes to them again, oldest first. So a long prompt shares each step with the decodes and
+with a later arrival's first chunk instead of holding them back for its whole length. A request
+that cannot get its next block preempts the most recently admitted one, whose blocks are freed
+and whose tokens are recomputed when it is admitted again.
 """
 
 from __future__ import annotations
@@ -56,15 +59,42 @@ class SchedulerStats:
 
 
 @dataclass
+class _Plan:
+    """The step being planned: new tokens per request, in the order they were given, and the
+    token budget left."""
+
+    budget: int
+    chunks: dict[Request, int] = field(default_factory=dict)
+    preempted: bool = False
+
+    def add(self, request: Request, num_new: int) -> None:
+        self.chunks[request] = self.chunks.get(request, 0) + num_new
+        self.budget -= num_new
+
+    def drop(self, request: Request) -> None:
+        self.budget += self.chunks.pop(request, 0)
+
+    def has_prefill(self) -> bool:
+        return any(n > 1 for n in self.chunks.values())
+
+
+@dataclass
 class Scheduler:
     allocator: BlockAllocator
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
     watermark: float = 0.01
+    # Most tokens one prefill takes in a step before every other prefill has had its turn
+    # (default: half the budget); 0 or less means the default.
+    prefill_turn: int = 0
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        if self.prefill_turn <= 0:
+            self.prefill_turn = max(1, self.max_num_batched_tokens // 2)
 
     @property
     def watermark_blocks(self) -> int:
@@ -77,39 +107,47 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledRequest]:
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._chunk(
-                request.num_tokens - request.num_computed_tokens, budget, scheduled
-            )
-            if num_new == 0:
-                i += 1
-                continue
-            while not self._can_grow(request, num_new):
-                preempted = True
-                victim = self.running.pop()
-                self._preempt(victim)
-                if victim is request:
-                    break
-            else:
-                self._grow(request, num_new)
-                scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
-                budget -= num_new
-                i += 1
-        if not preempted:
-            budget = self._admit(budget, scheduled)
+        plan = _Plan(self.max_num_batched_tokens)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes:
+            if request.status is Status.RUNNING and plan.budget > 0:
+                self._take(request, 1, plan)
+        for request in prefills:
+            if request.status is Status.RUNNING and plan.budget > 0:
+                wanted = request.num_tokens - request.num_computed_tokens
+                num_new = self._chunk(wanted, plan)
+                if num_new > 0:
+                    self._take(request, num_new, plan)
+        if not plan.preempted:
+            self._admit(plan)
+        self._top_up(plan)
         self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+        scheduled = []
+        for request, num_new in plan.chunks.items():
+            self._count_recomputed(request, num_new)
+            scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
         scheduled.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first, as packed
         return scheduled
 
-    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _take(self, request: Request, num_new: int, plan: _Plan) -> None:
+        """Give a running request `num_new` tokens, preempting the most recently admitted
+        requests (itself last) until its blocks fit."""
+        while not self._can_grow(request, num_new):
+            plan.preempted = True
+            victim = self.running.pop()
+            plan.drop(victim)
+            self._preempt(victim)
+            if victim is request:
+                return
+        self._grow(request, num_new)
+        plan.add(request, num_new)
+
+    def _admit(self, plan: _Plan) -> None:
         prefilling = {r.group_id for r in self.running if r.in_prefill}
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
             # At least one token is always computed: it yields the logits of the next one. Cached
             # blocks have no logits: a request that wants prompt logprobs computes its prompt.
             scoring = request.prompt_logprobs is not None and (
@@ -121,30 +159,40 @@ class Scheduler:
             if request.group_id in prefilling and num_cached < self._shareable_prompt_tokens(
                 request
             ):
-                break  # a sibling is computing the shared prompt: wait, then reuse its blocks
-            num_new = self._chunk(request.num_tokens - num_cached, budget, scheduled)
+                i += 1  # a sibling is computing the shared prompt: wait, then reuse its blocks
+                continue
+            num_new = self._chunk(request.num_tokens - num_cached, plan)
             if num_new == 0 or not self._can_admit(blocks, num_cached + num_new):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self._start(request, blocks, hashes, num_cached)
             self._grow(request, num_new)
-            scheduled.append(ScheduledRequest(request, num_new, num_cached))
-            budget -= num_new
+            plan.add(request, num_new)
             if request.in_prefill:
                 prefilling.add(request.group_id)
-        return budget
+
+    def _top_up(self, plan: _Plan) -> None:
+        """Budget that every prefill's turn left over goes to the prefills of the step again,
+        in the order they were given (decodes first, then oldest), as far as the free blocks
+        above the watermark go (no preemption for more than a turn)."""
+        for request, num_new in list(plan.chunks.items()):
+            extra = min(request.num_tokens - request.num_computed_tokens - num_new, plan.budget)
+            needed = self._blocks_needed(request, num_new + extra) + self.watermark_blocks
+            if extra > 0 and needed <= self.allocator.num_free:
+                self._grow(request, num_new + extra)
+                plan.add(request, extra)
 
     def _shareable_prompt_tokens(self, request: Request) -> int:
         bs = self.allocator.block_size
         return (request.num_prompt_tokens - 1) // bs * bs
 
-    def _chunk(self, wanted: int, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """How many of `wanted` tokens fit this step. Without chunked prefill one prompt per step
-        may run whole past the budget (beside the decodes): long prompts never wait for an empty
-        batch, and the decodes pay for them with a slow step."""
+    def _chunk(self, wanted: int, plan: _Plan) -> int:
+        """How many of `wanted` tokens a prefill takes in its turn. Without chunked prefill one
+        prompt per step may run whole past the budget (beside the decodes): long prompts never
+        wait for an empty batch, and the decodes pay for them with a slow step."""
         if self.enable_chunked_prefill:
-            return min(wanted, budget)
-        if wanted <= budget or not any(item.num_new_tokens > 1 for item in scheduled):
+            return min(wanted, plan.budget, self.prefill_turn)
+        if wanted <= plan.budget or not plan.has_prefill():
             return wanted
         return 0
 
@@ -178,6 +226,8 @@ class Scheduler:
     def _grow(self, request: Request, num_new: int) -> None:
         for _ in range(self._blocks_needed(request, num_new)):
             request.block_table.append(self.allocator.allocate())
+
+    def _count_recomputed(self, request: Request, num_new: int) -> None:
         # Positions below the high-water mark were computed once already, before a preemption.
         redo = min(request.num_computed_tokens + num_new, request.high_water)
         self.stats.num_recomputed_tokens += max(0, redo - request.num_computed_tokens)
