@@ -358,9 +358,11 @@ def _serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     model, model_name = _model(args)
     name = args.served_model_name or model_name
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from nanoserve.server.access import PrintableFormatter  # no torch: only the log format
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     host, port = sock.getsockname()[:2]
     log.info("loading %s from %s, to serve on %s:%d", name, model, host, port)
     start = time.monotonic()
