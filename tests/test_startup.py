@@ -1,7 +1,9 @@
 """What `nanoserve serve` does before it serves: the port and the checkpoint's config are checked
 before torch is imported, and the first log line says what loads before torch does. Also the
-engine's default for a request without max_tokens."""
+settings it starts with: OpenMP threads that sleep when idle, and the engine's default for a
+request without max_tokens."""
 
+import re
 import shutil
 import socket
 import subprocess
@@ -70,6 +72,28 @@ def test_serve_says_what_it_loads_before_torch_is_imported(tiny_model_dir, tmp_p
     assert lines[-1] == f"nanoserve: {broken}: no tokenizer.json " + (
         "(nanoserve reads Hugging Face fast tokenizers)"
     )
+
+
+def _openmp_settings(**env):
+    """The settings torch's OpenMP runtime started with, once nanoserve was imported."""
+    env = {"PATH": "/usr/bin:/bin", "OMP_DISPLAY_ENV": "verbose", **env}
+    code = "import nanoserve.cli, torch"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    if "OPENMP DISPLAY ENVIRONMENT" not in result.stderr:
+        pytest.skip("this torch does not run on GNU OpenMP")
+    return dict(re.findall(r"(\w+) = '([^']*)'", result.stderr))
+
+
+def test_idle_openmp_threads_sleep_at_once():
+    """Spinning threads lose their cores to other work on a shared machine (see __init__.py)."""
+    settings = _openmp_settings()
+    assert settings["OMP_WAIT_POLICY"] == "PASSIVE" and settings["GOMP_SPINCOUNT"] == "0"
+
+
+def test_a_wait_policy_the_user_set_is_kept():
+    settings = _openmp_settings(OMP_WAIT_POLICY="active")
+    assert settings["OMP_WAIT_POLICY"] == "ACTIVE" and settings["GOMP_SPINCOUNT"] != "0"
 
 
 @pytest.fixture(scope="module")
