@@ -85,10 +85,10 @@ def _openmp_settings(**env):
     return dict(re.findall(r"(\w+) = '([^']*)'", result.stderr))
 
 
-def test_idle_openmp_threads_sleep_at_once():
+def test_idle_openmp_threads_spin_briefly_then_sleep():
     """Spinning threads lose their cores to other work on a shared machine (see __init__.py)."""
     settings = _openmp_settings()
-    assert settings["OMP_WAIT_POLICY"] == "PASSIVE" and settings["GOMP_SPINCOUNT"] == "0"
+    assert settings["GOMP_SPINCOUNT"] == "100000"
 
 
 def test_a_wait_policy_the_user_set_is_kept():
