@@ -4,18 +4,21 @@ are used; the scheduler, the block allocator and the requests stay inside."""
 from nanoserve.engine.engine import Engine, EngineStats, RequestRejected, SchedulerStalled
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.sampling import Logprob, SamplingParams
+from nanoserve.engine.structured import GrammarError, StructuredOutputsParams
 from nanoserve.engine.tp import WorkerFailed, worker_from_env
 
 __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineStats",
+    "GrammarError",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "RequestRejected",
     "SamplingParams",
     "SchedulerStalled",
+    "StructuredOutputsParams",
     "WorkerFailed",
     "worker_from_env",
 ]

@@ -23,6 +23,7 @@ from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import Logprob, SampleRow, SamplingParams, mix_seed, sample
 from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
+from nanoserve.engine.structured import GrammarCompiler, GrammarError, mask_logits
 from nanoserve.engine.tp import TensorParallel
 from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
 from nanoserve.model.parallel import check_divisible
@@ -65,6 +66,8 @@ class Engine:
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self._tp: TensorParallel | None = None
         if config.tensor_parallel_size > 1:
             check_divisible(mc, config.tensor_parallel_size)  # before any process starts
@@ -154,6 +157,8 @@ class Engine:
                 rid, request_id, index, token_ids, params, seed, max_tokens, detokenizer
             )
             request.arrival_time = arrived
+            if params.structured_outputs is not None:
+                request.matcher = self.grammars.matcher(params.structured_outputs)
             group.append(request)
         self._groups[request_id] = group
         for request in group:
@@ -199,6 +204,11 @@ class Engine:
                 f"than the context of {limit} tokens (max_model_len)",
                 "max_tokens",
             )
+        if params.structured_outputs is not None:
+            try:  # cached: a server compiles it in a worker thread before it queues the request
+                self.grammars.compile(params.structured_outputs)
+            except GrammarError as e:
+                raise RequestRejected(str(e), e.param) from None
         bs = self.config.block_size
         needed = cdiv(n + max_tokens, bs)
         if needed > self.num_blocks:
@@ -263,6 +273,7 @@ class Engine:
             prompt_logprobs.extend(entries)
         self.scheduler.after_step(batch)
         ready = [item.request for item in batch if item.samples]
+        logits = mask_logits(logits, [r.matcher for r in ready], self.grammars)
         samples = sample(logits, [self._sample_row(r) for r in ready])
         now = time.monotonic()
         touched: dict[str, list[Request]] = {}
@@ -295,7 +306,8 @@ class Engine:
     def _sample_row(self, request: Request) -> SampleRow:
         p = request.params
         banned: list[int] = []
-        if request.num_output_tokens < p.min_tokens:
+        # A constrained output ends where its grammar does: min_tokens bans nothing there.
+        if request.num_output_tokens < p.min_tokens and request.matcher is None:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         return SampleRow(
             p,
@@ -312,6 +324,8 @@ class Engine:
         self._generated += 1
         if request.first_token_time is None:
             request.first_token_time = now
+        if request.matcher is not None:
+            request.matcher.consume_token(token)  # the mask allowed it
         if token in p.stop_token_ids:
             request.finish("stop", token)
         elif token in self.eos_token_ids and not p.ignore_eos:
@@ -323,7 +337,9 @@ class Engine:
                 request.finish("stop", stop)
         if request.is_finished:
             return
-        if (
+        if request.matcher is not None and request.matcher.is_stopped():
+            request.finish("stop")  # the grammar is complete: nothing may follow
+        elif (
             request.num_output_tokens >= request.max_tokens
             or request.num_tokens >= self.max_model_len
         ):
