@@ -39,8 +39,9 @@ SCHEMAS = {
         "type": "object",
         "properties": {
             "kind": {"enum": ["cat", "dog"]},
-            "value": {"anyOf": [{"type": "boolean"}, {"type": "integer", "maximum": 99,
-                                                      "minimum": 0}]},
+            "value": {
+                "anyOf": [{"type": "boolean"}, {"type": "integer", "maximum": 99, "minimum": 0}]
+            },
         },
         "required": ["kind", "value"],
         "additionalProperties": False,
@@ -160,7 +161,7 @@ def test_logprobs_are_of_the_masked_distribution(llm):
     finite = {t for t, lp in entry.items() if lp.logprob > float("-inf")}
     allowed = {llm.engine.tokenizer.encode(c, add_special_tokens=False)[0] for c in "AB"}
     assert finite <= allowed
-    assert sum(2.718281828 ** lp.logprob for t, lp in entry.items() if t in allowed) == (
+    assert sum(2.718281828**lp.logprob for t, lp in entry.items() if t in allowed) == (
         pytest.approx(1.0, abs=1e-4)
     )
 

@@ -135,8 +135,9 @@ class OpenAIServer:
                 'tool_choice is "none"',
                 "tools",
             )
-        if required:
-            constraint = syntax.grammar(required, req.parallel_tool_calls)
+        if required:  # a named function is called once; "required" may call several
+            named = req.tool_choice != "required"
+            constraint = syntax.grammar(required, req.parallel_tool_calls and not named)
         constraint = await self._compile(constraint)
         params = req.sampling_params(req.completion_limit, req.num_logprobs, None, constraint)
         tools = None

@@ -41,6 +41,9 @@ class ToolSyntax:
             for t in tools
         ]
         body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+        # Calls are written on one line, `{"name": "f", "arguments": {...}}`, as the templates
+        # show them: at most one space between two tokens.
+        body = {**body, "x-guidance": {"whitespace_pattern": "[ ]?"}}
         call = " ".join([*self._literal(self.open), "body", *self._literal(self.close)])
         separator = '"\\n"' if self.open else '"; "'
         repeat = f" ({separator} call)*" if parallel else ""
@@ -77,16 +80,20 @@ class ToolSyntax:
         found = []
         decoder = json.JSONDecoder()
         opener = re.escape(self.open) if self.open else r"(?:<\|python_tag\|>)?(?=\{)"
+        resume = 0  # a call's own braces are not calls
         for match in re.finditer(opener, text):
+            if match.start() < resume:
+                continue
             at = match.end()
             while at < len(text) and text[at].isspace():
                 at += 1
             try:
-                value, _ = decoder.raw_decode(text, at)
+                value, end = decoder.raw_decode(text, at)
             except json.JSONDecodeError:
                 continue
             if isinstance(value, dict):
                 found.append((match.start(), value))
+                resume = end
         return found
 
     def may_start(self, text: str) -> int:
