@@ -1,5 +1,5 @@
 """The engine: continuous batching over a paged KV cache. Outside this package only these names
-are used; the scheduler, the block allocator and the requests stay inside."""
+are used; the scheduler, the KV cache manager and the requests stay inside."""
 
 from nanoserve.engine.engine import Engine, EngineStats, RequestRejected, SchedulerStalled
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput

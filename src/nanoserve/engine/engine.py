@@ -3,8 +3,8 @@
 `max_model_len`, `num_blocks`. Each step schedules a batch, runs one forward over the packed
 tokens, samples, detokenizes and checks stop conditions. Single-threaded and lock-free: whoever
 owns an Engine calls it from one place at a time (the offline loop, or the serving task); it owns
-the scheduler, the block allocator, the runner, every request and, under tensor parallelism, the
-worker processes (engine/tp.py): one allocator decides every rank's block tables.
+the scheduler, the KV cache manager, the runner, every request and, under tensor parallelism, the
+worker processes (engine/tp.py): one KV cache manager decides every rank's block tables.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.kv_cache import BlockAllocator, cdiv
+from nanoserve.engine.kv_cache import cdiv
+from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.model_runner import ModelRunner, resolve_dtype
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
@@ -72,15 +73,14 @@ class Engine:
         self.runner = self._runner(checkpoint, config)
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
-        self.allocator = BlockAllocator(
-            self.num_blocks, config.block_size, config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
         )
         self.scheduler = Scheduler(
-            self.allocator,
+            self.kv_cache_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
-            config.watermark,
         )
         self._groups: dict[str, list[Request]] = {}
         self._seeds = random.Random(0)
@@ -233,7 +233,7 @@ class Engine:
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
-            free_blocks=self.allocator.num_free,
+            free_blocks=self.kv_cache_manager.num_free_blocks,
             total_blocks=self.num_blocks,
             num_preemptions=s.stats.num_preemptions,
             num_recomputed_tokens=s.stats.num_recomputed_tokens,
@@ -253,7 +253,7 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise SchedulerStalled(
                     f"{len(self.scheduler.waiting)} requests wait, none can be scheduled "
-                    f"({self.allocator.num_free} of {self.num_blocks} KV blocks free)"
+                    f"({self.kv_cache_manager.num_free_blocks} of {self.num_blocks} KV blocks free)"
                 )
             return []
         logits, scored = self._forward(batch)
@@ -356,13 +356,13 @@ class Engine:
     def audit(self) -> None:
         """Raise if the block ledger disagrees with the live requests' block tables, or if a
         rank's cache does not have the blocks the ledger hands out (tensor parallelism: the one
-        allocator decides every rank's tables)."""
+        KV cache manager decides every rank's tables)."""
         live = [r for group in self._groups.values() for r in group if r.status is Status.RUNNING]
-        self.allocator.audit(r.block_table for r in live)
+        self.kv_cache_manager.audit(live)
         blocks = self.cache_blocks()
         if any(b != self.num_blocks for b in blocks):
             raise AssertionError(
-                f"KV blocks per rank {blocks}; the allocator has {self.num_blocks}"
+                f"KV blocks per rank {blocks}; the KV cache manager has {self.num_blocks}"
             )
 
     def cache_blocks(self) -> list[int]:
