@@ -5,9 +5,7 @@ command line shows its defaults at once.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,12 +14,6 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 # Block formats weights may be kept in (the C kernels'), and "none" to de-quantize a GGUF's.
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "none")
-
-
-def cache_dir() -> Path:
-    """Where nanoserve keeps what it builds once (the demo model, GGUF indexes):
-    $NANOSERVE_CACHE, or ~/.cache/nanoserve."""
-    return Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
 
 
 @dataclass(frozen=True)
