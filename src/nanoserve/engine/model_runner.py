@@ -86,14 +86,14 @@ class ModelRunner:
         quantization="none"), or a float checkpoint's quantized at load (quantization="q8_0"...)."""
         c, whole = self.config, self.parallel.size == 1
         blocks = whole and self.device.type == "cpu" and c.dtype == "float32"
-        if c.quantization not in (None, "none") and not blocks:
+        if c.quantization not in ("auto", "none") and not blocks:
             raise ValueError(
                 f"quantization={c.quantization!r} needs dtype float32 on a CPU in one process "
                 f"(here dtype {c.dtype}, device {self.device}, {self.parallel.size} processes)"
             )
         keep = blocks and c.quantization != "none"
         raw = checkpoint.read_tensors(c.torch_dtype, self.device if whole else "cpu", keep)
-        if c.quantization not in (None, "none"):
+        if c.quantization not in ("auto", "none"):
             raw = quantize_matrices(raw, c.quantization)  # type: ignore[arg-type]
         place = _to(self.device) if not whole else None
         if self.device.type == "cpu":
@@ -220,8 +220,8 @@ def resolve_dtype(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
         return config
     if config.device.startswith("cuda"):
         dtype, why = "bfloat16", "a GPU"
-    elif config.quantization not in (None, "none") or (
-        config.quantization is None and checkpoint.block_formats()
+    elif config.quantization not in ("auto", "none") or (
+        config.quantization == "auto" and checkpoint.block_formats()
     ):
         dtype, why = "float32", "weights in GGUF blocks take float32 activations"
     elif onednn_packs(torch.bfloat16):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanoserve import env
 from nanoserve.config import EngineConfig
 from nanoserve.engine.inputs import StepInputs, from_message, to_message
 from nanoserve.engine.model_runner import ModelRunner
@@ -34,7 +35,7 @@ from nanoserve.model.parallel import Parallel
 
 STEP, STOP, CACHE_BLOCKS = 1, 2, 3  # what a message asks of the workers
 # A rank waiting longer than this in a collective of a step: another rank hung; the step fails.
-TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_TIMEOUT", "60"))
+TIMEOUT_S = env.tp_timeout_s()
 # A worker waiting for rank 0's next message waits as long as the server idles.
 IDLE = timedelta(days=365)
 JOIN_S = 5.0  # at shutdown, time the workers get to stop by themselves before they are killed
