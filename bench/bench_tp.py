@@ -77,7 +77,7 @@ def run(model_dir: Path, requests: list, size: int, c_step: bool = True) -> dict
         engine = llm.engine
         threads = torch.get_num_threads()  # rank 0's, after the workers took their share
         if not c_step:
-            engine.runner.model.fast_decode = None
+            engine.runner.cpu_step = None
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

@@ -51,6 +51,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # rows whose next-token logits are wanted
     scoring: PromptScoring | None = None
+    padding: int = 0  # the last logits rows are padding (a CUDA graph's size): dropped
 
 
 @dataclass
@@ -72,7 +73,7 @@ def pack(
     table_width: int | None = None,
 ) -> StepInputs:
     """Decodes (one new token each) must come first. `pad_to` adds decode rows that write no
-    cache slot (-1), attend to one token and sample (their logits are to be dropped);
+    cache slot (-1), attend to one token and sample (`padding`: their logits are dropped);
     `table_width` fixes the decode tables' width (default: the longest)."""
     lists = _Lists([], [], [], [], [], [])
     prefills: list[PrefillChunk] = []
@@ -97,10 +98,12 @@ def pack(
         else:
             table = chunk.block_table[: cdiv(start + n, block_size)]
             prefills.append(PrefillChunk(row, n, start + n, _tensor(table, torch.int32, device)))
+    padding = 0
     if pad_to is not None:
         if prefills:
             raise ValueError("only a batch of decodes is padded")
-        _pad(lists, pad_to - len(lists.ids))
+        padding = pad_to - len(lists.ids)
+        _pad(lists, padding)
     width = table_width or max((len(t) for t in lists.tables), default=0)
     tables = [t + [0] * (width - len(t)) for t in lists.tables]
     meta = AttentionMetadata(
@@ -119,6 +122,7 @@ def pack(
         PromptScoring(_tensor(scoring_rows, torch.int64, device), tuple(scoring))
         if scoring
         else None,
+        padding,
     )
 
 
@@ -145,7 +149,8 @@ _HEADER = 6  # tokens, decodes, table width, prefill chunks, logits rows, scorin
 
 def to_message(inputs: StepInputs) -> torch.Tensor:
     """The inputs of a step as one int64 CPU tensor, for the other ranks of a tensor-parallel
-    group. Everything but the scoring targets, which only rank 0 (the sampler's) reads."""
+    group. Everything but what only rank 0 (the sampler's) reads: the scoring targets and the
+    count of padding rows."""
     m = inputs.meta
     tables = m.decode_block_tables
     scoring = inputs.scoring.rows if inputs.scoring is not None else inputs.logits_rows[:0]
