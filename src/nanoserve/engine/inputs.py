@@ -1,7 +1,7 @@
 """The one input packer: a scheduled batch (decodes first, then prefill chunks) as the tensors of
 one forward pass. Eager steps, CUDA-graph steps (padded to a captured size and table width) and
 the memory profile (one dummy prefill) all come through `pack`. Under tensor parallelism the packed
-inputs travel to the other ranks as one int64 tensor (`to_message`, `from_message`). Owns nothing.
+inputs travel to the other ranks as one message (engine/channel.py). Owns nothing.
 """
 
 from __future__ import annotations
@@ -140,58 +140,3 @@ def _tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch
     if device.type == "cpu":
         return torch.tensor(list(values), dtype=dtype)
     return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-# -- the packed inputs as one message (tensor parallelism) --------------------------------------
-
-_HEADER = 6  # tokens, decodes, table width, prefill chunks, logits rows, scoring rows
-
-
-def to_message(inputs: StepInputs) -> torch.Tensor:
-    """The inputs of a step as one int64 CPU tensor, for the other ranks of a tensor-parallel
-    group. Everything but what only rank 0 (the sampler's) reads: the scoring targets and the
-    count of padding rows."""
-    m = inputs.meta
-    tables = m.decode_block_tables
-    scoring = inputs.scoring.rows if inputs.scoring is not None else inputs.logits_rows[:0]
-    header = [inputs.input_ids.shape[0], m.num_decode, tables.shape[1], len(m.prefills)]
-    header += [inputs.logits_rows.shape[0], scoring.shape[0]]
-    chunks = [(c.start, c.length, c.context_len, c.block_table.shape[0]) for c in m.prefills]
-    parts = [
-        torch.tensor(header + [v for chunk in chunks for v in chunk], dtype=torch.int64),
-        inputs.input_ids,
-        inputs.positions,
-        m.slot_mapping,
-        tables.flatten(),
-        m.decode_context_lens,
-        *(c.block_table for c in m.prefills),
-        inputs.logits_rows,
-        scoring,
-    ]
-    return torch.cat([p.to("cpu", torch.int64) for p in parts])
-
-
-def from_message(message: torch.Tensor, device: torch.device, backend: str = "auto") -> StepInputs:
-    """`to_message`'s inputs on `device`. A prompt-scoring step comes back with its rows and no
-    targets (`PromptScoring.chunks` empty): the logits of those rows are still computed."""
-    message = message.to(device)
-    tokens, decodes, width, num_chunks, rows, scored = message[:_HEADER].tolist()
-    chunks = message[_HEADER : _HEADER + 4 * num_chunks].view(-1, 4).tolist()
-    sizes = [tokens, tokens, tokens, decodes * width, decodes]
-    sizes += [table_len for *_, table_len in chunks] + [rows, scored]
-    parts = message[_HEADER + 4 * num_chunks :].split(sizes)
-    ids, positions, slots, tables, lens, *prefill_tables = parts[: 5 + num_chunks]
-    prefills = tuple(
-        PrefillChunk(start, length, context_len, table.to(torch.int32))
-        for (start, length, context_len, _), table in zip(chunks, prefill_tables, strict=True)
-    )
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        num_decode=decodes,
-        decode_block_tables=tables.to(torch.int32).view(decodes, width),
-        decode_context_lens=lens.to(torch.int32),
-        prefills=prefills,
-        backend=backend,
-    )
-    scoring = PromptScoring(parts[-1], ()) if scored else None
-    return StepInputs(ids, positions, meta, parts[-2], scoring)

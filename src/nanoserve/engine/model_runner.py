@@ -5,8 +5,8 @@ composes the model's pieces and takes a fast path by a plain `if`: a CPU decode 
 rows in one C call, a CUDA decode step replayed from its graph. Returns the logits of the rows that
 sample. On CUDA the pool is sized from free memory after a warm-up forward through the same path.
 Under tensor parallelism every rank has a runner holding its slices and its heads' cache, and runs
-the same `execute` on the inputs rank 0 prepared and sent (`send`, engine/tp.py); only rank 0's
-results mean anything.
+the same `execute` on the inputs rank 0 prepared (engine/executor.py); only rank 0's results mean
+anything.
 """
 
 from __future__ import annotations
@@ -72,8 +72,6 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or min(
             positions, self.num_blocks * config.block_size
         )
-        # Rank 0 sends each step's inputs to the other ranks (engine/tp.py) when this is set.
-        self.send: Callable[[StepInputs], None] | None = None
         # On CUDA every decode step takes the padded path, replayed from graphs when captured;
         # not under tensor parallelism (a graph would have to capture the collectives on every
         # rank at once), where each step runs eagerly.
@@ -105,14 +103,6 @@ class ModelRunner:
         weights = load_weights(raw, checkpoint.config, place, self.parallel)
         log.info("weights: %s", _describe(weights, c.dtype))
         return weights
-
-    @torch.inference_mode()
-    def forward(self, batch: Sequence[Chunk]) -> StepOutput:
-        """`execute` of the prepared batch, sent to the other ranks first when `send` is set."""
-        inputs = self.prepare(batch)
-        if self.send is not None:
-            self.send(inputs)
-        return self.execute(inputs)
 
     def prepare(self, batch: Sequence[Chunk]) -> StepInputs:
         """The tensors of a scheduled batch's forward pass; a decode batch that CUDA graphs take
