@@ -1,7 +1,7 @@
 """A tensor-parallel worker: ranks 1..N-1. It joins the group, takes rank 0's engine settings,
 builds its runner (its slices, its heads' KV cache) and runs every call of a runner method that
-rank 0 sends (engine/channel.py) until told to stop or until rank 0 is gone. It never samples
-and keeps no results: the workers' part of a call is its collectives.
+rank 0 sends (engine/channel.py) until told to stop or until rank 0 is gone. It never samples:
+its part of a step is the collectives; only a gathered method's result (an int) goes back.
 """
 
 from __future__ import annotations
