@@ -4,7 +4,8 @@ are used; the scheduler, the KV cache manager and the requests stay inside."""
 from nanoserve.engine.engine import Engine, EngineStats, RequestRejected, SchedulerStalled
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.sampling import Logprob, SamplingParams
-from nanoserve.engine.tp import WorkerFailed, worker_from_env
+from nanoserve.engine.tp import WorkerFailed
+from nanoserve.engine.worker import worker_from_env
 
 __all__ = [
     "CompletionOutput",

@@ -3,8 +3,9 @@
 `max_model_len`, `num_blocks`. Each step schedules a batch, runs one forward over the packed
 tokens, samples, detokenizes and checks stop conditions. Single-threaded and lock-free: whoever
 owns an Engine calls it from one place at a time (the offline loop, or the serving task); it owns
-the scheduler, the KV cache manager, the runner, every request and, under tensor parallelism, the
-worker processes (engine/tp.py): one KV cache manager decides every rank's block tables.
+the scheduler, the KV cache manager, every request and the executor (engine/executor.py), which
+runs the model on one rank or on every rank of a tensor-parallel group: one KV cache manager
+decides every rank's block tables.
 """
 
 from __future__ import annotations
@@ -17,16 +18,15 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.executor import start_executor
 from nanoserve.engine.kv_cache import cdiv
 from nanoserve.engine.kv_manager import KVCacheManager
-from nanoserve.engine.model_runner import ModelRunner, resolve_dtype
+from nanoserve.engine.model_runner import resolve_dtype
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
-from nanoserve.engine.sampling import Logprob, SampleRow, SamplingParams, mix_seed, sample
-from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
-from nanoserve.engine.tp import TensorParallel
-from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
-from nanoserve.model.parallel import check_divisible
+from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.model.checkpoint import open_checkpoint
 from nanoserve.tokenizer import IncrementalDetokenizer
 
 
@@ -66,11 +66,8 @@ class Engine:
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
-        self._tp: TensorParallel | None = None
-        if config.tensor_parallel_size > 1:
-            check_divisible(mc, config.tensor_parallel_size)  # before any process starts
-            self._tp = TensorParallel.launch(model, config)
-        self.runner = self._runner(checkpoint, config)
+        self.executor = start_executor(model, checkpoint, config)
+        self.runner = self.executor.runner  # rank 0's: prepares each step, knows the pool
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
         self.kv_cache_manager = KVCacheManager(
@@ -87,32 +84,15 @@ class Engine:
         self._generated = 0
         self._computed = 0
 
-    def _runner(self, checkpoint: Checkpoint, config: EngineConfig) -> ModelRunner:
-        """Rank 0's runner; every worker builds its own at the same time."""
-        if self._tp is None:
-            return ModelRunner(checkpoint, config)
-        try:
-            runner = ModelRunner(checkpoint, config, self._tp.parallel, self._tp.device)
-        except BaseException as e:
-            failure = self._tp.failure(e)  # before the workers are stopped
-            self._tp.close()
-            if failure is e:
-                raise
-            raise failure from e
-        runner.send = self._tp.send_step
-        return runner
-
     def check_health(self) -> None:
         """Raise (WorkerFailed) if the engine can no longer step: a tensor-parallel worker died.
         Cheap; for an owner that idles (a step checks it anyway)."""
-        if self._tp is not None:
-            self._tp.check()
+        self.executor.check()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (a stop message, then a bounded wait, then
         a kill). Idempotent; the engine cannot step afterwards."""
-        if self._tp is not None:
-            self._tp.close()
+        self.executor.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -123,7 +103,7 @@ class Engine:
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of the tensor-parallel workers this engine spawned (rank 1 first)."""
-        return [] if self._tp is None else self._tp.pids
+        return self.executor.pids
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -256,7 +236,7 @@ class Engine:
                     f"({self.kv_cache_manager.num_free_blocks} of {self.num_blocks} KV blocks free)"
                 )
             return []
-        logits, scored = self._forward(batch)
+        logits, scored = self.executor.call("execute", self.runner.prepare(batch))
         for index, entries in scored.items():
             prompt_logprobs = batch[index].request.prompt_logprobs
             assert prompt_logprobs is not None
@@ -283,14 +263,6 @@ class Engine:
             if out.finished:
                 del self._groups[out.request_id]
         return outputs
-
-    def _forward(
-        self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, dict[int, list[dict[int, Logprob]]]]:
-        if self._tp is None:
-            return self.runner.forward(batch)
-        with self._tp.stepping():
-            return self.runner.forward(batch)
 
     def _sample_row(self, request: Request) -> SampleRow:
         p = request.params
@@ -368,8 +340,7 @@ class Engine:
     def cache_blocks(self) -> list[int]:
         """KV blocks in each rank's cache, rank 0 first (-1: a rank whose layers disagree).
         Under tensor parallelism a collective with every worker: call it between steps."""
-        own = self.runner.cache_blocks()
-        return [own] if self._tp is None else self._tp.cache_blocks(own)
+        return self.executor.gather("cache_blocks")
 
 
 def _completion(request: Request) -> CompletionOutput:
