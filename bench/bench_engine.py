@@ -128,7 +128,8 @@ def floors(model_dir: Path, requests, dtype: str) -> dict:
     ratios = sorted(ms / (weight_bytes / bw * 1e3) for ms, bw in pairs)
     step32 = min(_decode_rounds(engine, 32))
     logits = torch.zeros(32, c.vocab_size)
-    engine.runner.forward = lambda batch: (logits[: len(batch)], {})
+    engine.runner.prepare = lambda batch: batch  # no packing, no forward pass
+    engine.runner.execute = lambda batch: (logits[: len(batch)], {})
     python32 = min(_decode_rounds(engine, 32))
     return {
         "read_bandwidth_gb_s": max(bandwidths) / 1e9,

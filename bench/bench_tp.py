@@ -37,14 +37,14 @@ from nanoserve.model.parallel import Parallel
 
 RESULTS = Path(__file__).parent / "results"
 BATCHES = (1, 4, 16, 64, 256)  # rows of the [rows, hidden] tensors all-reduced alone
-MESSAGE = 512  # int64s of a step message's first broadcast (engine/tp.py's FIRST)
+MESSAGE = 512  # int64s of a step message's first broadcast (engine/channel.py's FIRST)
 
 
 @contextmanager
 def timed_collectives(engine: Engine) -> Iterator[dict[str, list[float]]]:
     """Rank 0's time in each kind of collective (calls, seconds, bytes) while the block runs:
     the all-reduces (after o, down and the embedding), the logits gather, and the step message
-    (the runner's `send`: the liveness check, the packing and the broadcast)."""
+    (the channel's `call`: the packing and the broadcast)."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
 
     def timer(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -59,16 +59,18 @@ def timed_collectives(engine: Engine) -> Iterator[dict[str, list[float]]]:
 
         return run
 
-    reduce, gather, send = Parallel.all_reduce, Parallel.gather_logits, engine.runner.send
+    reduce, gather = Parallel.all_reduce, Parallel.gather_logits
+    channel = getattr(engine.executor, "channel", None)  # tensor parallelism's only
     Parallel.all_reduce = timer("all_reduce", reduce)  # type: ignore[method-assign]
     Parallel.gather_logits = timer("gather_logits", gather)  # type: ignore[method-assign]
-    if send is not None:
-        engine.runner.send = timer("step message", send)
+    if channel is not None:
+        channel.call = timer("step message", channel.call)
     try:
         yield totals
     finally:
         Parallel.all_reduce, Parallel.gather_logits = reduce, gather  # type: ignore[method-assign]
-        engine.runner.send = send
+        if channel is not None:
+            del channel.call  # the class's method again
 
 
 def run(model_dir: Path, requests: list, size: int, c_step: bool = True) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def run(model_dir: Path, requests: list, size: int, c_step: bool = True) -> dict
         engine = llm.engine
         threads = torch.get_num_threads()  # rank 0's, after the workers took their share
         if not c_step:
-            engine.runner.model.fast_decode = None
+            engine.runner.cpu_step = None
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

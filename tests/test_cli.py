@@ -84,13 +84,20 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir, tmp_pa
 @pytest.mark.parametrize(
     "args,words",
     [
-        (["--block-size", "3"], ["block_size=3"]),
-        (["--dtype", "float16"], ["float16 is not supported on the CPU"]),
-        (["--max-queue", "-1"], ["--max-queue must be >= 1", "got -1"]),
-        (["--max-queue", "0"], ["--max-queue must be >= 1", "got 0"]),
-        (["--default-max-tokens", "0"], ["default_max_tokens=0"]),
-        (["--port", "80800"], ["--port", "80800 is outside 0..65535"]),
-        (["--port", "http"], ["--port", "not a port number"]),
+        (["--block-size", "3"], ["--block-size must be a power of 2, got 3"]),
+        (["--dtype", "float16"], ["--dtype must be float32, bfloat16 or auto on the CPU"]),
+        (["--max-queue", "-1"], ["--max-queue must be an integer >= 1 (default: no limit)"]),
+        (["--max-queue", "0"], ["--max-queue must be an integer >= 1", "got 0"]),
+        (["--num-kv-blocks", "0"], ["--num-kv-blocks must be", "(default: from --kv-cache"]),
+        (["--default-max-tokens", "0"], ["--default-max-tokens must be an integer >= 1, got 0"]),
+        (["--kv-cache-memory", "0"], ["--kv-cache-memory must be a number > 0, got 0.0"]),
+        (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization must be", "(0, 1]"]),
+        (["-tp", "0"], ["--tensor-parallel-size must be an integer >= 1, got 0"]),
+        (["--device", "gpu"], ["--device must be cpu, cuda or cuda:N, got gpu"]),
+        (["--max-request-bytes", "0"], ["--max-request-bytes must be an integer >= 1"]),
+        (["--port", "80800"], ["--port must be an integer in 0..65535, got 80800"]),
+        (["--port", "http"], ["--port", "invalid int value: 'http'"]),
+        (["--quantization", "q2_k"], ["--quantization", "invalid choice: 'q2_k'"]),
     ],
 )
 def test_bad_settings_are_one_line(tiny_model_dir, tmp_path, args, words):

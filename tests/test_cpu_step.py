@@ -22,11 +22,11 @@ def _spy(monkeypatch, step) -> list[int]:
 
 def _generate(model_dir, dtype, one_call, prompts, monkeypatch, max_tokens=20, **engine_args):
     llm = LLM(str(model_dir), dtype=dtype, block_size=8, **engine_args)
-    model = llm.engine.runner.model
-    assert model.fast_decode is not None
-    rows = _spy(monkeypatch, model.fast_decode)
+    runner = llm.engine.runner
+    assert runner.cpu_step is not None
+    rows = _spy(monkeypatch, runner.cpu_step)
     if not one_call:
-        model.fast_decode = None
+        runner.cpu_step = None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.engine.audit()
@@ -53,7 +53,7 @@ def test_one_call_step_matches_layer_by_layer(tiny_model_dir, monkeypatch, dtype
 def test_one_call_step_is_used_only_where_it_applies(tiny_model_dir, monkeypatch):
     """Decode batches of up to 4 rows only: never a prefill, never 5 or more sequences."""
     llm = LLM(str(tiny_model_dir), dtype="float32")
-    rows = _spy(monkeypatch, llm.engine.runner.model.fast_decode)
+    rows = _spy(monkeypatch, llm.engine.runner.cpu_step)
     prompts = [{"prompt_token_ids": list(range(1, 10 + i))} for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(2, 14, 2)]
     llm.generate(prompts, params, use_tqdm=False)
@@ -64,7 +64,7 @@ def test_one_call_step_is_used_only_where_it_applies(tiny_model_dir, monkeypatch
 
 def test_an_explicit_attention_backend_keeps_the_layer_by_layer_path(tiny_model_dir, monkeypatch):
     llm = LLM(str(tiny_model_dir), dtype="float32", attention_backend="torch")
-    rows = _spy(monkeypatch, llm.engine.runner.model.fast_decode)
+    rows = _spy(monkeypatch, llm.engine.runner.cpu_step)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
     assert rows == []
@@ -72,7 +72,7 @@ def test_an_explicit_attention_backend_keeps_the_layer_by_layer_path(tiny_model_
 
 def test_c_step_refuses_caches_of_another_dtype(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32")
-    step, caches = llm.engine.runner.model.fast_decode, llm.engine.runner.kv_caches
+    step, caches = llm.engine.runner.cpu_step, llm.engine.runner.kv_caches
     with pytest.raises(ValueError, match="KV caches must be"):
         step._pointers([(k.bfloat16(), v.bfloat16()) for k, v in caches], torch.float32)
 
@@ -85,7 +85,7 @@ def test_c_step_rejects_a_slot_outside_the_cache(tiny_model_dir):
     with pytest.raises(ValueError, match="slot_mapping"):
         c_backend.decode_layers(
             torch.zeros(1, model.config.hidden_size),
-            model.fast_decode._pointers(runner.kv_caches, torch.float32),
+            runner.cpu_step._pointers(runner.kv_caches, torch.float32),
             torch.tensor([0]),
             bad_slot,
             model.cos,

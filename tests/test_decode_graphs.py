@@ -22,18 +22,16 @@ def test_padded_decode_matches_eager(tiny_model_dir):
 
     padded = LLM(str(tiny_model_dir), max_num_seqs=8)
     runner = padded.engine.runner
-    graphs = DecodeGraphs(
-        runner._forward, padded.engine.config, runner.max_model_len, runner.device
-    )
+    graphs = DecodeGraphs(padded.engine.config, runner.max_model_len, runner.device)
     runner.graphs = graphs
     used = []
-    original = graphs.run
+    original = graphs.pack
 
-    def counting_run(batch):
+    def counting_pack(batch):
         used.append(len(batch))
         return original(batch)
 
-    graphs.run = counting_run
+    graphs.pack = counting_pack
     assert _generate(padded) == expected
     assert used and any(n not in graphs.sizes for n in used), "no batch was padded"
     padded.engine.audit()

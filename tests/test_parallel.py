@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.engine.inputs import from_message, pack, to_message
+from nanoserve.engine.channel import from_message, to_message
+from nanoserve.engine.inputs import pack
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.parallel import (
     check_divisible,
@@ -138,7 +139,7 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_in_one_line(tiny_model
     with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide") as e:
         Engine(model_dir, EngineConfig(tensor_parallel_size=4))  # refused before any spawn
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
         EngineConfig(tensor_parallel_size=0)
 
 

@@ -128,5 +128,5 @@ def test_min_tokens_above_the_default_is_refused_like_an_explicit_max_tokens(eng
 
 
 def test_the_default_max_tokens_must_be_positive():
-    with pytest.raises(ValueError, match="default_max_tokens=0"):
+    with pytest.raises(ValueError, match="default_max_tokens must be an integer >= 1, got 0"):
         EngineConfig(default_max_tokens=0)

@@ -100,11 +100,11 @@ class TestTwoRanksAgreeWithOne:
         then KeyboardInterrupt; the ranks stay in step. `raise_signal` runs the handler before
         it returns, so the signal lands inside the step on every run."""
         engine = tp2.engine
-        send, execute = engine.runner.send, engine.runner.execute
+        call, execute = engine.executor.channel.call, engine.runner.execute
         finished = []
 
-        def send_then_interrupt(inputs):
-            send(inputs)
+        def call_then_interrupt(method, args):
+            call(method, args)
             signal.raise_signal(signal.SIGINT)
 
         def execute_to_the_end(inputs):
@@ -112,14 +112,14 @@ class TestTwoRanksAgreeWithOne:
             finished.append(True)
             return result
 
-        monkeypatch.setattr(engine.runner, "send", send_then_interrupt)
+        monkeypatch.setattr(engine.executor.channel, "call", call_then_interrupt)
         monkeypatch.setattr(engine.runner, "execute", execute_to_the_end)
         engine.add_request("interrupted", list(range(1, 40)), GREEDY)
         with pytest.raises(KeyboardInterrupt):
             engine.step()
         assert finished == [True], "rank 0's forward pass was cut short"
         engine.abort("interrupted")
-        monkeypatch.setattr(engine.runner, "send", send)
+        monkeypatch.setattr(engine.executor.channel, "call", call)
         monkeypatch.setattr(engine.runner, "execute", execute)
         prompts = _prompts(500)[:2]
         assert _run(tp2, prompts, GREEDY)[0] == _run(tp1, prompts, GREEDY)[0]
@@ -127,19 +127,20 @@ class TestTwoRanksAgreeWithOne:
     def test_an_ignored_sigint_stays_ignored_in_a_step(self, tp2, monkeypatch):
         """A process that ignores SIGINT (a shell's background job starts so) keeps ignoring it
         in a step: the step leaves a handler it did not install alone."""
-        engine, send = tp2.engine, tp2.engine.runner.send
+        engine, call = tp2.engine, tp2.engine.executor.channel.call
 
-        def send_then_interrupt(inputs):
-            send(inputs)
+        def call_then_interrupt(method, args):
+            call(method, args)
             signal.raise_signal(signal.SIGINT)
 
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            monkeypatch.setattr(engine.runner, "send", send_then_interrupt)
+            monkeypatch.setattr(engine.executor.channel, "call", call_then_interrupt)
             engine.add_request("ignored", list(range(1, 40)), GREEDY)
             assert engine.step() == []  # a 39-token prompt in budgets of 32: no token yet
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         finally:
+            monkeypatch.setattr(engine.executor.channel, "call", call)
             signal.signal(signal.SIGINT, previous)
             engine.abort("ignored")
         tp2.engine.audit()

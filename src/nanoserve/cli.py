@@ -20,12 +20,12 @@ import re
 import socket
 import sys
 import time
-from dataclasses import fields
+from dataclasses import Field
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar, get_args, get_type_hints
 
-from nanoserve.config import DTYPES, QUANTIZATIONS, EngineConfig, ServerConfig
+from nanoserve.config import EngineConfig, ServerConfig, Setting, SettingError, described
 
 
 class UsageError(Exception):
@@ -82,22 +82,18 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = _command(commands, "serve", "run the OpenAI-compatible HTTP server", _serve)
     _model_argument(serve)
-    _server_flags(serve)
-    _engine_flags(serve)
-    serve.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
-        help="logging threshold (info logs one line per request)",
-    )  # fmt: skip
+    _config_flags(serve, ServerConfig)
+    _config_flags(serve, EngineConfig)
     chat = _command(commands, "chat", "talk with a model on the terminal", _chat)
     _model_argument(chat)
     chat.add_argument("--system", help="a system message to start the conversation with")
     _sampling_flags(chat, max_tokens=1024, temperature=0.7, top_p=0.9)
-    _engine_flags(chat)
+    _config_flags(chat, EngineConfig, without=PER_REQUEST)
     gen = _command(commands, "generate", "complete prompts offline and print the text", _generate)
     _model_argument(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     _sampling_flags(gen, max_tokens=32, temperature=0.0, top_p=1.0)
-    _engine_flags(gen)
+    _config_flags(gen, EngineConfig, without=PER_REQUEST)
     worker = _command(
         commands, "worker", "run one tensor-parallel rank for a server on another machine "
         "(MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set; the engine flags come from rank 0)",
@@ -155,126 +151,56 @@ def _model_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _server_flags(parser: argparse.ArgumentParser) -> None:
-    d = ServerConfig()
-    parser.add_argument("--host", default=d.host, help="address to listen on")
-    parser.add_argument("--port", type=_port, default=d.port, help="port to listen on (0: any)")
-    parser.add_argument(
-        "--served-model-name", default=None,
-        help="the model's name in the API (default: MODEL as given, or SmolLM2-135M-Instruct)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--api-key", default=d.api_key, help="require 'Authorization: Bearer KEY' on every route "
-        "but /health (default: none required)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-queue", type=int, default=d.max_queue,
-        help="answer 503 with Retry-After once this many requests wait (default: no limit)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-request-bytes", type=int, default=d.max_body_bytes,
-        help="largest request body accepted (413 above)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--default-max-tokens", type=int, default=EngineConfig.default_max_tokens,
-        help="tokens a request without max_tokens generates at most (never past the context)",
-    )  # fmt: skip
+# chat and generate give every request --max-tokens: the engine's default for a request without
+# one is a serve flag only.
+PER_REQUEST = ("default_max_tokens",)
 
 
-def _port(text: str) -> int:
+def _config_flags(
+    parser: argparse.ArgumentParser, config_class: type, without: tuple[str, ...] = ()
+) -> None:
+    """A flag for each field of `config_class` its Setting puts on the command line: its name,
+    type, default, choices and help (a True boolean's flag turns it off)."""
+    types = get_type_hints(config_class)
+    for f, s in described(config_class):
+        if not s.cli or f.name in without:
+            continue
+        names = (_flag(f, s), *s.aliases)
+        help = f"{s.help} (default: {s.unset})" if s.unset else s.help
+        if types[f.name] is bool:
+            action = "store_false" if f.default else "store_true"
+            parser.add_argument(*names, dest=f.name, action=action, help=help)
+            continue
+        metavar = None if s.choices else names[0].lstrip("-").replace("-", "_").upper()
+        parser.add_argument(
+            *names, dest=f.name, type=_value_type(types[f.name]), default=f.default,
+            choices=s.choices or None, metavar=metavar, help=help,
+        )  # fmt: skip
+
+
+def _flag(f: Field[Any], s: Setting) -> str:
+    return s.flag or "--" + f.name.replace("_", "-")
+
+
+def _value_type(hint: Any) -> Any:
+    """int for `int | None`: the type a flag's text converts to."""
+    return next((t for t in get_args(hint) if t is not type(None)), hint)
+
+
+Config = TypeVar("Config")
+
+
+def _config(config_class: type[Config], args: argparse.Namespace) -> Config:
+    """`config_class` built from the parsed flags; a setting outside its limits is one line
+    naming its flag."""
+    settings = described(config_class)
+    values = {f.name: getattr(args, f.name) for f, _ in settings if hasattr(args, f.name)}
     try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535")
-    return port
-
-
-def _engine_flags(parser: argparse.ArgumentParser) -> None:
-    d, add = EngineConfig(), parser.add_argument
-    add(
-        "--dtype",
-        default=d.dtype,
-        choices=(*DTYPES, "auto"),
-        help="of activations, float weights and KV cache; auto: the fastest correct one here",
-    )
-    add(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default=d.quantization,
-        help="q8_0/q4_0/q4_1: quantize a float checkpoint's matrices at load (CPU, float32); "
-        "none: de-quantize a GGUF's (default: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in blocks)",
-    )
-    add("--device", default=d.device, help="cpu, or cuda[:N]")
-    add("--block-size", type=int, default=d.block_size, help="tokens per KV block (a power of 2)")
-    add(
-        "--num-kv-blocks",
-        type=int,
-        default=d.num_kv_blocks,
-        help="KV cache blocks (default: from --kv-cache-memory, or from free GPU memory)",
-    )
-    add(
-        "--kv-cache-memory",
-        dest="kv_cache_memory_gb",
-        type=float,
-        default=d.kv_cache_memory_gb,
-        help="CPU: GiB for the KV cache",
-    )
-    add(
-        "--gpu-memory-utilization",
-        type=float,
-        default=d.gpu_memory_utilization,
-        help="CUDA: share of device memory for weights and KV cache",
-    )
-    add("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences in one step")
-    add(
-        "--max-num-batched-tokens",
-        type=int,
-        default=d.max_num_batched_tokens,
-        help="most tokens in one step",
-    )
-    add(
-        "--max-model-len",
-        type=int,
-        default=d.max_model_len,
-        help="context length (default: the model's, or what the cache holds if less)",
-    )
-    add(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="do not reuse the KV blocks of earlier prompts",
-    )
-    add("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-        help="run each prompt whole instead of in chunks of the token budget")  # fmt: skip
-    add("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
-        help="processes the model is split across: one device each on CUDA; on a CPU they share "
-        "its threads")  # fmt: skip
-
-
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    try:
-        config = EngineConfig(**values)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if config.device == "cpu" and config.dtype == "float16":
-        raise UsageError("--dtype float16 is not supported on the CPU; use float32 or bfloat16")
-    return config
-
-
-def _server_config(args: argparse.Namespace) -> ServerConfig:
-    if args.max_queue is not None and args.max_queue < 1:
-        raise UsageError(
-            f"--max-queue must be >= 1 (leave it out for no limit), got {args.max_queue}"
-        )
-    if args.max_request_bytes < 1:
-        raise UsageError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-    return ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-        max_body_bytes=args.max_request_bytes,
-    )  # fmt: skip
+        return config_class(**values)
+    except SettingError as e:
+        flag = next(_flag(f, s) for f, s in settings if f.name == e.name)
+        default = f" (default: {e.unset})" if e.unset else ""
+        raise UsageError(f"{flag} must be {e.rule}{default}, got {e.value}") from None
 
 
 def _model(args: argparse.Namespace) -> tuple[Path, str]:
@@ -354,15 +280,15 @@ def _listen(host: str, port: int) -> socket.socket:
 def _serve(args: argparse.Namespace) -> int:
     """Flags, port and checkpoint are checked before torch is imported (seconds on a busy
     machine), so that a mistake is found at once; the log says what loads meanwhile."""
-    server_config, engine_config = _server_config(args), _engine_config(args)
-    sock = _listen(args.host, args.port)
+    server_config, engine_config = _config(ServerConfig, args), _config(EngineConfig, args)
+    sock = _listen(server_config.host, server_config.port)
     model, model_name = _model(args)
-    name = args.served_model_name or model_name
+    name = server_config.served_model_name or model_name
     from nanoserve.server.access import PrintableFormatter  # no torch: only the log format
 
     handler = logging.StreamHandler()
     handler.setFormatter(PrintableFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
+    logging.basicConfig(level=server_config.log_level.upper(), handlers=[handler])
     host, port = sock.getsockname()[:2]
     log.info("loading %s from %s, to serve on %s:%d", name, model, host, port)
     start = time.monotonic()
@@ -397,7 +323,7 @@ def _run_server(
 def _generate(args: argparse.Namespace) -> int:
     from nanoserve.llm import LLM
 
-    config = _engine_config(args)
+    config = _config(EngineConfig, args)
     model, _ = _model(args)
     params = _sampling_params(args)
     with LLM(engine=_engine(model, config)) as llm:
@@ -410,7 +336,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     from nanoserve.chat import Chat
 
-    config = _engine_config(args)
+    config = _config(EngineConfig, args)
     model, name = _model(args)
     params = _sampling_params(args)
     with _engine(model, config) as engine:

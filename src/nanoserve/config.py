@@ -1,77 +1,184 @@
 """The settings a user gives: `EngineConfig` (how the engine runs) and `ServerConfig` (how the
-HTTP server runs). Both frozen: nothing here changes after start-up. Imports no torch, so that the
-command line shows its defaults at once.
+HTTP server runs). Each field carries its `Setting`: its help, its limits and, where they differ,
+its command-line flag; the command line's flags are made from these, and the limits are checked
+here when a config is built. Both frozen. Imports no torch, so that `--help` answers at once.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+import re
+from collections.abc import Callable
+from dataclasses import Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-# Block formats weights may be kept in (the C kernels'), and "none" to de-quantize a GGUF's.
-QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "none")
+# The block formats weights may be kept in (the C kernels'): what `quantization` may quantize to.
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
+QUANTIZATIONS = ("auto", "none", *BLOCK_FORMATS)
+ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # nanoserve.kernels' BACKENDS
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def cache_dir() -> Path:
-    """Where nanoserve keeps what it builds once (the demo model, GGUF indexes):
-    $NANOSERVE_CACHE, or ~/.cache/nanoserve."""
-    return Path(os.environ.get("NANOSERVE_CACHE") or Path.home() / ".cache" / "nanoserve")
+@dataclass(frozen=True)
+class Limit:
+    """What a setting's value must be: `rule` says it ("an integer >= 1"), `test` checks it."""
+
+    rule: str
+    test: Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field's description. `help`: what it sets (for a boolean that defaults to True, what
+    its flag does: it turns it off); `flag`: its command-line name when it is not --field-name;
+    `unset`: what None means, for a field whose default is None; `cli`: False for a field the
+    command line does not set."""
+
+    help: str
+    flag: str | None = None
+    aliases: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()
+    limit: Limit | None = None
+    unset: str | None = None
+    cli: bool = True
+
+    def rule(self) -> str | None:
+        """What a value must be, or None for a setting without limits."""
+        if self.choices:
+            return f"one of {', '.join(self.choices)}"
+        return self.limit.rule if self.limit else None
+
+    def accepts(self, value: Any) -> bool:
+        if self.choices:
+            return value in self.choices
+        return self.limit is None or self.limit.test(value)
+
+
+class SettingError(ValueError):
+    """A setting outside its limits: names the field, its rule and the value given."""
+
+    def __init__(self, name: str, value: Any, rule: str, unset: str | None = None):
+        self.name, self.value, self.rule, self.unset = name, value, rule, unset
+        alternative = f" or None ({unset})" if unset else ""
+        super().__init__(f"{name} must be {rule}{alternative}, got {value!r}")
+
+
+def setting(default: Any, help: str, **description: Any) -> Any:
+    """A dataclass field with its `Setting` (keyword arguments as Setting's) in its metadata."""
+    return field(default=default, metadata={"setting": Setting(help, **description)})
+
+
+def described(config_class: type) -> list[tuple[Field[Any], Setting]]:
+    """The fields of a config class with their Settings, in order."""
+    return [(f, f.metadata["setting"]) for f in fields(config_class)]
+
+
+def check(config: Any) -> None:
+    """Raise SettingError for the first field of `config` outside its limits."""
+    for f, s in described(type(config)):
+        value = getattr(config, f.name)
+        if value is None and f.default is None:
+            continue
+        rule = s.rule()
+        if rule and not s.accepts(value):
+            raise SettingError(f.name, value, rule, s.unset if f.default is None else None)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _integer(low: int, high: int | None = None) -> Limit:
+    rule = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+    return Limit(rule, lambda v: _is_int(v) and low <= v and (high is None or v <= high))
+
+
+def _number(rule: str, test: Callable[[float], bool]) -> Limit:
+    return Limit(rule, lambda v: _is_number(v) and test(v))
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+POSITIVE = _integer(1)
+POWER_OF_2 = Limit("a power of 2", lambda v: _is_int(v) and v > 0 and v & (v - 1) == 0)
+DEVICE = Limit("cpu, cuda or cuda:N", lambda v: isinstance(v, str) and bool(_DEVICE.fullmatch(v)))
+BOOLEAN = Limit("True or False", lambda v: isinstance(v, bool))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: dtype, device, cache geometry, batch budgets and how many processes
-    (tensor parallelism) share the model."""
+    (tensor parallelism) share the model. Fields are in the order `--help` lists their flags."""
 
-    dtype: str = "float32"  # or "auto": the fastest correct one on the device (see engine.py)
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    watermark: float = 0.01
-    attention_backend: str = "auto"
-    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + cache
-    cuda_graphs: bool = True  # CUDA: replay decode steps from captured graphs (not with TP > 1)
-    tensor_parallel_size: int = 1  # processes (and devices) the model is split across
-    # None: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks (CPU, float32, one process);
-    # "q8_0"... quantizes a float checkpoint's matrices at load; "none" de-quantizes a GGUF's.
-    quantization: str | None = None
-    # A request that gives no max_tokens generates this many at most (and never past the context):
-    # a small model asked an open question can otherwise loop until its context is full.
-    default_max_tokens: int = 2048
+    # A small model asked an open question can otherwise loop until its context is full.
+    default_max_tokens: int = setting(
+        2048, "tokens a request without max_tokens generates at most (never past the context)",
+        limit=POSITIVE,
+    )  # fmt: skip
+    dtype: str = setting(
+        "float32", "of activations, float weights and KV cache; auto: the fastest correct one "
+        "here", choices=(*DTYPES, "auto"),
+    )  # fmt: skip
+    quantization: str = setting(
+        "auto", "auto: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks where they can (CPU, "
+        "float32, one process); none: de-quantize them; q8_0/q4_0/q4_1: quantize a float "
+        "checkpoint's matrices at load (CPU, float32)", choices=QUANTIZATIONS,
+    )  # fmt: skip
+    device: str = setting("cpu", "cpu, or cuda[:N]", limit=DEVICE)
+    block_size: int = setting(16, "tokens per KV block (a power of 2)", limit=POWER_OF_2)
+    num_kv_blocks: int | None = setting(
+        None, "KV cache blocks", limit=POSITIVE,
+        unset="from --kv-cache-memory, or from free GPU memory",
+    )  # fmt: skip
+    kv_cache_memory_gb: float = setting(
+        1.0, "CPU: GiB for the KV cache", flag="--kv-cache-memory",
+        limit=_number("a number > 0", lambda v: v > 0),
+    )  # fmt: skip
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA: share of device memory for weights and KV cache",
+        limit=_number("a number in (0, 1]", lambda v: 0 < v <= 1),
+    )  # fmt: skip
+    max_num_seqs: int = setting(64, "most sequences in one step", limit=POSITIVE)
+    max_num_batched_tokens: int = setting(2048, "most tokens in one step", limit=POSITIVE)
+    max_model_len: int | None = setting(
+        None, "context length", limit=POSITIVE,
+        unset="the model's, or what the cache holds if less",
+    )  # fmt: skip
+    enable_prefix_caching: bool = setting(
+        True, "do not reuse the KV blocks of earlier prompts", flag="--no-prefix-caching",
+        limit=BOOLEAN,
+    )  # fmt: skip
+    enable_chunked_prefill: bool = setting(
+        True, "run each prompt whole instead of in chunks of the token budget",
+        flag="--no-chunked-prefill", limit=BOOLEAN,
+    )  # fmt: skip
+    tensor_parallel_size: int = setting(
+        1, "processes the model is split across: one device each on CUDA; on a CPU they share "
+        "its threads", aliases=("-tp",), limit=POSITIVE,
+    )  # fmt: skip
+    watermark: float = setting(
+        0.01, "share of the KV blocks a new prompt leaves free for the running sequences",
+        limit=_number("a number in [0, 1)", lambda v: 0 <= v < 1), cli=False,
+    )  # fmt: skip
+    attention_backend: str = setting(
+        "auto", "the attention kernels: auto (c on a CPU, triton on CUDA), torch, c or triton",
+        choices=ATTENTION_BACKENDS, cli=False,
+    )  # fmt: skip
+    cuda_graphs: bool = setting(
+        True, "CUDA: replay decode steps from captured graphs (not with TP > 1)", limit=BOOLEAN,
+        cli=False,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        checks = {
-            "dtype": self.dtype in (*DTYPES, "auto"),
-            "quantization": self.quantization is None or self.quantization in QUANTIZATIONS,
-            "block_size": self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
-            "num_kv_blocks": self.num_kv_blocks is None or self.num_kv_blocks > 0,
-            "kv_cache_memory_gb": self.kv_cache_memory_gb > 0,
-            "max_num_seqs": self.max_num_seqs > 0,
-            "max_num_batched_tokens": self.max_num_batched_tokens > 0,
-            "max_model_len": self.max_model_len is None or self.max_model_len > 0,
-            "watermark": 0.0 <= self.watermark < 1.0,
-            "device": self.device == "cpu" or self.device.startswith("cuda"),
-            "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
-            "tensor_parallel_size": isinstance(self.tensor_parallel_size, int)
-            and self.tensor_parallel_size > 0,
-            "default_max_tokens": isinstance(self.default_max_tokens, int)
-            and self.default_max_tokens > 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"invalid engine setting {name}={getattr(self, name)!r}")
+        check(self)
+        if self.device == "cpu" and self.dtype == "float16":
+            raise SettingError("dtype", self.dtype, "float32, bfloat16 or auto on the CPU")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -82,11 +189,33 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How the HTTP server runs: where it listens, whom it admits, how much it queues."""
+    """How the HTTP server runs: where it listens, whom it admits, how much it queues, what it
+    logs. Fields are in the order `--help` lists their flags."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_queue: int | None = None  # 503 past this many waiting requests
-    max_body_bytes: int = 4 * 2**20
-    graceful_timeout: float = 3.0  # seconds open requests get to finish after SIGINT/SIGTERM
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on (0: any)", limit=_integer(0, 65535))
+    served_model_name: str | None = setting(
+        None, "the model's name in the API", unset="MODEL as given, or SmolLM2-135M-Instruct"
+    )
+    api_key: str | None = setting(
+        None, "require 'Authorization: Bearer KEY' on every route but /health",
+        unset="none required",
+    )  # fmt: skip
+    max_queue: int | None = setting(
+        None, "answer 503 with Retry-After once this many requests wait", limit=POSITIVE,
+        unset="no limit",
+    )  # fmt: skip
+    max_body_bytes: int = setting(
+        4 * 2**20, "largest request body accepted (413 above)", flag="--max-request-bytes",
+        limit=POSITIVE,
+    )  # fmt: skip
+    graceful_timeout: float = setting(
+        3.0, "seconds open requests get to finish after SIGINT/SIGTERM",
+        limit=_number("a number >= 0", lambda v: v >= 0), cli=False,
+    )  # fmt: skip
+    log_level: str = setting(
+        "info", "logging threshold (info logs one line per request)", choices=LOG_LEVELS
+    )
+
+    def __post_init__(self) -> None:
+        check(self)

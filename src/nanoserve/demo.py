@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from nanoserve.config import cache_dir
+from nanoserve.env import cache_dir
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"

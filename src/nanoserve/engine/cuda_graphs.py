@@ -4,12 +4,13 @@ A decode batch (every request adds one token) is packed padded up to the next ca
 a fixed table width (engine/inputs.py): padding rows write no cache slot and attend to one token,
 and their logits are dropped. Eager decode on CUDA takes the same padded path, so outputs are
 identical with and without graphs. On a CPU the same path runs without capture, which is how the
-tests exercise it. Owns the graphs and their static input buffers.
+tests exercise it. The runner records the graphs (its own forward pass, captured) and asks for a
+replay; this object owns the graphs and the static input buffers they read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -20,14 +21,9 @@ from nanoserve.engine.kv_cache import cdiv
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
-Forward = Callable[[StepInputs], torch.Tensor]
-
 
 class DecodeGraphs:
-    def __init__(
-        self, forward: Forward, config: EngineConfig, max_model_len: int, device: torch.device
-    ):
-        self.forward = forward
+    def __init__(self, config: EngineConfig, max_model_len: int, device: torch.device):
         self.config = config
         self.device = device
         self.sizes = [s for s in BATCH_SIZES if s <= config.max_num_seqs] or [config.max_num_seqs]
@@ -38,29 +34,34 @@ class DecodeGraphs:
     def fits(self, batch: Sequence[Chunk]) -> bool:
         return len(batch) <= self.sizes[-1] and all(item.num_new_tokens == 1 for item in batch)
 
-    def capture(self) -> None:
-        """Record one graph per batch size, largest first, sharing one memory pool."""
-        pool = None
-        for size in reversed(self.sizes):
-            inputs = _rows(self.static, size)
-            self.forward(inputs)  # warm-up: compiles kernels, settles allocations
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(inputs)
-            pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+    def pack(self, batch: Sequence[Chunk]) -> StepInputs:
+        """A batch that fits, padded to the next captured size and to the table width."""
+        return self._pack(batch, next(s for s in self.sizes if s >= len(batch)))
 
-    def run(self, batch: Sequence[Chunk]) -> torch.Tensor:
-        n = len(batch)
-        size = next(s for s in self.sizes if s >= n)
-        inputs = self._pack(batch, size)
-        if size not in self.graphs:
-            return self.forward(inputs)[:n]
-        _copy_into(_rows(self.static, size), inputs)
+    def rows(self, size: int) -> StepInputs:
+        """The static buffers' first `size` rows: the inputs a graph of that size is captured on."""
+        return _rows(self.static, size)
+
+    def add(self, size: int, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+        """A graph captured on `rows(size)`, whose forward pass wrote `logits`."""
+        self.graphs[size] = (graph, logits)
+
+    def has(self, inputs: StepInputs) -> bool:
+        """A padded decode step of a size that has a graph."""
+        m = inputs.meta
+        return (
+            not m.prefills
+            and inputs.input_ids.shape[0] in self.graphs
+            and m.decode_block_tables.shape[1] == self.width
+        )
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """The logits of every row (padding too) of a step this object `has`."""
+        size = inputs.input_ids.shape[0]
+        _copy_into(self.rows(size), inputs)
         graph, logits = self.graphs[size]
         graph.replay()
-        return logits[:n]
+        return logits
 
     def _pack(self, batch: Sequence[Chunk], size: int) -> StepInputs:
         c = self.config

@@ -3,8 +3,9 @@
 `max_model_len`, `num_blocks`. Each step schedules a batch, runs one forward over the packed
 tokens, samples, detokenizes and checks stop conditions. Single-threaded and lock-free: whoever
 owns an Engine calls it from one place at a time (the offline loop, or the serving task); it owns
-the scheduler, the block allocator, the runner, every request and, under tensor parallelism, the
-worker processes (engine/tp.py): one allocator decides every rank's block tables.
+the scheduler, the KV cache manager, every request and the executor (engine/executor.py), which
+runs the model on one rank or on every rank of a tensor-parallel group: one KV cache manager
+decides every rank's block tables.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.kv_cache import BlockAllocator, cdiv
-from nanoserve.engine.model_runner import ModelRunner, resolve_dtype
+from nanoserve.engine.executor import start_executor
+from nanoserve.engine.kv_cache import cdiv
+from nanoserve.engine.kv_manager import KVCacheManager
+from nanoserve.engine.model_runner import resolve_dtype
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
-from nanoserve.engine.sampling import Logprob, SampleRow, SamplingParams, mix_seed, sample
-from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
+from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
+from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.structured import GrammarCompiler, GrammarError, mask_logits
-from nanoserve.engine.tp import TensorParallel
-from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
-from nanoserve.model.parallel import check_divisible
+from nanoserve.model.checkpoint import open_checkpoint
 from nanoserve.tokenizer import IncrementalDetokenizer
 
 
@@ -68,54 +69,33 @@ class Engine:
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        self._tp: TensorParallel | None = None
-        if config.tensor_parallel_size > 1:
-            check_divisible(mc, config.tensor_parallel_size)  # before any process starts
-            self._tp = TensorParallel.launch(model, config)
-        self.runner = self._runner(checkpoint, config)
+        self.executor = start_executor(model, checkpoint, config)
+        self.runner = self.executor.runner  # rank 0's: prepares each step, knows the pool
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
-        self.allocator = BlockAllocator(
-            self.num_blocks, config.block_size, config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
         )
         self.scheduler = Scheduler(
-            self.allocator,
+            self.kv_cache_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
-            config.watermark,
         )
         self._groups: dict[str, list[Request]] = {}
         self._seeds = random.Random(0)
         self._generated = 0
         self._computed = 0
 
-    def _runner(self, checkpoint: Checkpoint, config: EngineConfig) -> ModelRunner:
-        """Rank 0's runner; every worker builds its own at the same time."""
-        if self._tp is None:
-            return ModelRunner(checkpoint, config)
-        try:
-            runner = ModelRunner(checkpoint, config, self._tp.parallel, self._tp.device)
-        except BaseException as e:
-            failure = self._tp.failure(e)  # before the workers are stopped
-            self._tp.close()
-            if failure is e:
-                raise
-            raise failure from e
-        runner.send = self._tp.send_step
-        return runner
-
     def check_health(self) -> None:
         """Raise (WorkerFailed) if the engine can no longer step: a tensor-parallel worker died.
         Cheap; for an owner that idles (a step checks it anyway)."""
-        if self._tp is not None:
-            self._tp.check()
+        self.executor.check()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (a stop message, then a bounded wait, then
         a kill). Idempotent; the engine cannot step afterwards."""
-        if self._tp is not None:
-            self._tp.close()
+        self.executor.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -126,7 +106,7 @@ class Engine:
     @property
     def worker_pids(self) -> list[int]:
         """The process ids of the tensor-parallel workers this engine spawned (rank 1 first)."""
-        return [] if self._tp is None else self._tp.pids
+        return self.executor.pids
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -243,7 +223,7 @@ class Engine:
         return EngineStats(
             running=len(s.running),
             waiting=len(s.waiting),
-            free_blocks=self.allocator.num_free,
+            free_blocks=self.kv_cache_manager.num_free_blocks,
             total_blocks=self.num_blocks,
             num_preemptions=s.stats.num_preemptions,
             num_recomputed_tokens=s.stats.num_recomputed_tokens,
@@ -263,10 +243,10 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise SchedulerStalled(
                     f"{len(self.scheduler.waiting)} requests wait, none can be scheduled "
-                    f"({self.allocator.num_free} of {self.num_blocks} KV blocks free)"
+                    f"({self.kv_cache_manager.num_free_blocks} of {self.num_blocks} KV blocks free)"
                 )
             return []
-        logits, scored = self._forward(batch)
+        logits, scored = self.executor.call("execute", self.runner.prepare(batch))
         for index, entries in scored.items():
             prompt_logprobs = batch[index].request.prompt_logprobs
             assert prompt_logprobs is not None
@@ -294,14 +274,6 @@ class Engine:
             if out.finished:
                 del self._groups[out.request_id]
         return outputs
-
-    def _forward(
-        self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, dict[int, list[dict[int, Logprob]]]]:
-        if self._tp is None:
-            return self.runner.forward(batch)
-        with self._tp.stepping():
-            return self.runner.forward(batch)
 
     def _sample_row(self, request: Request) -> SampleRow:
         p = request.params
@@ -372,20 +344,19 @@ class Engine:
     def audit(self) -> None:
         """Raise if the block ledger disagrees with the live requests' block tables, or if a
         rank's cache does not have the blocks the ledger hands out (tensor parallelism: the one
-        allocator decides every rank's tables)."""
+        KV cache manager decides every rank's tables)."""
         live = [r for group in self._groups.values() for r in group if r.status is Status.RUNNING]
-        self.allocator.audit(r.block_table for r in live)
+        self.kv_cache_manager.audit(live)
         blocks = self.cache_blocks()
         if any(b != self.num_blocks for b in blocks):
             raise AssertionError(
-                f"KV blocks per rank {blocks}; the allocator has {self.num_blocks}"
+                f"KV blocks per rank {blocks}; the KV cache manager has {self.num_blocks}"
             )
 
     def cache_blocks(self) -> list[int]:
         """KV blocks in each rank's cache, rank 0 first (-1: a rank whose layers disagree).
         Under tensor parallelism a collective with every worker: call it between steps."""
-        own = self.runner.cache_blocks()
-        return [own] if self._tp is None else self._tp.cache_blocks(own)
+        return self.executor.gather("cache_blocks")
 
 
 def _completion(request: Request) -> CompletionOutput:

@@ -1,7 +1,7 @@
 """The one input packer: a scheduled batch (decodes first, then prefill chunks) as the tensors of
 one forward pass. Eager steps, CUDA-graph steps (padded to a captured size and table width) and
 the memory profile (one dummy prefill) all come through `pack`. Under tensor parallelism the packed
-inputs travel to the other ranks as one int64 tensor (`to_message`, `from_message`). Owns nothing.
+inputs travel to the other ranks as one message (engine/channel.py). Owns nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # rows whose next-token logits are wanted
     scoring: PromptScoring | None = None
+    padding: int = 0  # the last logits rows are padding (a CUDA graph's size): dropped
 
 
 @dataclass
@@ -72,7 +73,7 @@ def pack(
     table_width: int | None = None,
 ) -> StepInputs:
     """Decodes (one new token each) must come first. `pad_to` adds decode rows that write no
-    cache slot (-1), attend to one token and sample (their logits are to be dropped);
+    cache slot (-1), attend to one token and sample (`padding`: their logits are dropped);
     `table_width` fixes the decode tables' width (default: the longest)."""
     lists = _Lists([], [], [], [], [], [])
     prefills: list[PrefillChunk] = []
@@ -97,10 +98,12 @@ def pack(
         else:
             table = chunk.block_table[: cdiv(start + n, block_size)]
             prefills.append(PrefillChunk(row, n, start + n, _tensor(table, torch.int32, device)))
+    padding = 0
     if pad_to is not None:
         if prefills:
             raise ValueError("only a batch of decodes is padded")
-        _pad(lists, pad_to - len(lists.ids))
+        padding = pad_to - len(lists.ids)
+        _pad(lists, padding)
     width = table_width or max((len(t) for t in lists.tables), default=0)
     tables = [t + [0] * (width - len(t)) for t in lists.tables]
     meta = AttentionMetadata(
@@ -119,6 +122,7 @@ def pack(
         PromptScoring(_tensor(scoring_rows, torch.int64, device), tuple(scoring))
         if scoring
         else None,
+        padding,
     )
 
 
@@ -136,57 +140,3 @@ def _tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch
     if device.type == "cpu":
         return torch.tensor(list(values), dtype=dtype)
     return torch.tensor(list(values), dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-# -- the packed inputs as one message (tensor parallelism) --------------------------------------
-
-_HEADER = 6  # tokens, decodes, table width, prefill chunks, logits rows, scoring rows
-
-
-def to_message(inputs: StepInputs) -> torch.Tensor:
-    """The inputs of a step as one int64 CPU tensor, for the other ranks of a tensor-parallel
-    group. Everything but the scoring targets, which only rank 0 (the sampler's) reads."""
-    m = inputs.meta
-    tables = m.decode_block_tables
-    scoring = inputs.scoring.rows if inputs.scoring is not None else inputs.logits_rows[:0]
-    header = [inputs.input_ids.shape[0], m.num_decode, tables.shape[1], len(m.prefills)]
-    header += [inputs.logits_rows.shape[0], scoring.shape[0]]
-    chunks = [(c.start, c.length, c.context_len, c.block_table.shape[0]) for c in m.prefills]
-    parts = [
-        torch.tensor(header + [v for chunk in chunks for v in chunk], dtype=torch.int64),
-        inputs.input_ids,
-        inputs.positions,
-        m.slot_mapping,
-        tables.flatten(),
-        m.decode_context_lens,
-        *(c.block_table for c in m.prefills),
-        inputs.logits_rows,
-        scoring,
-    ]
-    return torch.cat([p.to("cpu", torch.int64) for p in parts])
-
-
-def from_message(message: torch.Tensor, device: torch.device, backend: str = "auto") -> StepInputs:
-    """`to_message`'s inputs on `device`. A prompt-scoring step comes back with its rows and no
-    targets (`PromptScoring.chunks` empty): the logits of those rows are still computed."""
-    message = message.to(device)
-    tokens, decodes, width, num_chunks, rows, scored = message[:_HEADER].tolist()
-    chunks = message[_HEADER : _HEADER + 4 * num_chunks].view(-1, 4).tolist()
-    sizes = [tokens, tokens, tokens, decodes * width, decodes]
-    sizes += [table_len for *_, table_len in chunks] + [rows, scored]
-    parts = message[_HEADER + 4 * num_chunks :].split(sizes)
-    ids, positions, slots, tables, lens, *prefill_tables = parts[: 5 + num_chunks]
-    prefills = tuple(
-        PrefillChunk(start, length, context_len, table.to(torch.int32))
-        for (start, length, context_len, _), table in zip(chunks, prefill_tables, strict=True)
-    )
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        num_decode=decodes,
-        decode_block_tables=tables.to(torch.int32).view(decodes, width),
-        decode_context_lens=lens.to(torch.int32),
-        prefills=prefills,
-        backend=backend,
-    )
-    scoring = PromptScoring(parts[-1], ()) if scored else None
-    return StepInputs(ids, positions, meta, parts[-2], scoring)

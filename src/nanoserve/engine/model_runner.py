@@ -1,10 +1,12 @@
 """Runs the model for the engine: owns the weights on their device, the KV cache tensors and the
-CUDA graphs of decode steps. Chooses where the weights live (CPU: one huge-page mapping) and the
-fast path (CPU: the one-call C decode step), packs each scheduled batch into tensors (engine/
-inputs.py) and returns the logits of the rows that sample. On CUDA the pool is sized from free
-memory after a warm-up forward through the same path. Under tensor parallelism every rank has a
-runner holding its slices and its heads' cache; rank 0's sends each step's inputs to the others
-(`send`) before running it, the others `execute` what they receive (engine/tp.py).
+CUDA graphs of decode steps. Chooses where the weights live (CPU: one huge-page mapping), packs
+each scheduled batch into tensors (`prepare`, engine/inputs.py) and runs them (`execute`), which
+composes the model's pieces and takes a fast path by a plain `if`: a CPU decode step of up to 4
+rows in one C call, a CUDA decode step replayed from its graph. Returns the logits of the rows that
+sample. On CUDA the pool is sized from free memory after a warm-up forward through the same path.
+Under tensor parallelism every rank has a runner holding its slices and its heads' cache, and runs
+the same `execute` on the inputs rank 0 prepared (engine/executor.py); only rank 0's results mean
+anything.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from nanoserve.model.quantized import formats, quantize_matrices
 
 log = logging.getLogger(__name__)
 TokenLogprobs = dict[int, Logprob]
+StepOutput = tuple[torch.Tensor, dict[int, list[TokenLogprobs]]]  # logits, prompt logprobs
 SCORING_ROWS = 256  # prompt positions scored at a time (each makes a row of vocabulary logits)
 
 
@@ -57,8 +60,9 @@ class ModelRunner:
         self.model = Llama(mc, self._load(checkpoint), positions, parallel)
         layers = self.model.weights.layers
         # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.
+        self.cpu_step: CpuDecodeStep | None = None
         if not on_cuda and parallel.size == 1 and CpuDecodeStep.supported(layers):
-            self.model.fast_decode = CpuDecodeStep(layers, mc)
+            self.cpu_step = CpuDecodeStep(layers, mc)
         self.block_bytes = block_bytes(
             mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size,
             config.torch_dtype,
@@ -68,16 +72,14 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or min(
             positions, self.num_blocks * config.block_size
         )
-        # Rank 0 sends each step's inputs to the other ranks (engine/tp.py) when this is set.
-        self.send: Callable[[StepInputs], None] | None = None
         # On CUDA every decode step takes the padded path, replayed from graphs when captured;
         # not under tensor parallelism (a graph would have to capture the collectives on every
         # rank at once), where each step runs eagerly.
         self.graphs: DecodeGraphs | None = None
         if on_cuda and parallel.size == 1:
-            self.graphs = DecodeGraphs(self._forward, config, self.max_model_len, self.device)
+            self.graphs = DecodeGraphs(config, self.max_model_len, self.device)
             if config.cuda_graphs:
-                self.graphs.capture()
+                self._capture(self.graphs)
 
     def _load(self, checkpoint: Checkpoint) -> LlamaWeights:
         """This rank's weights on its device. Under tensor parallelism the checkpoint is read into
@@ -86,14 +88,14 @@ class ModelRunner:
         quantization="none"), or a float checkpoint's quantized at load (quantization="q8_0"...)."""
         c, whole = self.config, self.parallel.size == 1
         blocks = whole and self.device.type == "cpu" and c.dtype == "float32"
-        if c.quantization not in (None, "none") and not blocks:
+        if c.quantization not in ("auto", "none") and not blocks:
             raise ValueError(
                 f"quantization={c.quantization!r} needs dtype float32 on a CPU in one process "
                 f"(here dtype {c.dtype}, device {self.device}, {self.parallel.size} processes)"
             )
         keep = blocks and c.quantization != "none"
         raw = checkpoint.read_tensors(c.torch_dtype, self.device if whole else "cpu", keep)
-        if c.quantization not in (None, "none"):
+        if c.quantization not in ("auto", "none"):
             raw = quantize_matrices(raw, c.quantization)  # type: ignore[arg-type]
         place = _to(self.device) if not whole else None
         if self.device.type == "cpu":
@@ -102,29 +104,30 @@ class ModelRunner:
         log.info("weights: %s", _describe(weights, c.dtype))
         return weights
 
-    @torch.inference_mode()
-    def forward(
-        self, batch: Sequence[Chunk]
-    ) -> tuple[torch.Tensor, dict[int, list[TokenLogprobs]]]:
-        """Logits [rows that sample, vocab] (float32) for a batch ordered decodes first, and the
-        prompt logprobs of the chunks that score their prompt (by index in the batch)."""
+    def prepare(self, batch: Sequence[Chunk]) -> StepInputs:
+        """The tensors of a scheduled batch's forward pass; a decode batch that CUDA graphs take
+        comes padded to the next captured size. Rank 0 prepares each step (the other ranks of a
+        tensor-parallel group receive what it prepared)."""
         if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch), {}
-        inputs = self._pack(batch)
-        if self.send is not None:
-            self.send(inputs)
-        return self.execute(inputs)
+            return self.graphs.pack(batch)
+        return self._pack(batch)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, dict[int, list[TokenLogprobs]]]:
+    def execute(self, inputs: StepInputs) -> StepOutput:
         """One forward pass of packed inputs: what every rank of a tensor-parallel group runs.
-        Only rank 0's results mean anything (whole logits, prompt logprobs)."""
-        if inputs.scoring is None:
-            return self._forward(inputs), {}
-        rows = torch.cat([inputs.logits_rows, inputs.scoring.rows])
-        h = self.model.hidden(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, rows)
+        Logits [rows that sample, vocab] (float32; padding rows dropped) and the prompt logprobs
+        of the chunks that score their prompt (by index in the batch). Only rank 0's results
+        mean anything (whole logits, prompt logprobs)."""
         n = inputs.logits_rows.shape[0]
-        return self.model.logits(h[:n]), self._score(h[n:], inputs.scoring)
+        if inputs.scoring is not None:
+            rows = torch.cat([inputs.logits_rows, inputs.scoring.rows])
+            h = self._hidden(inputs, rows, self.kv_caches)
+            logits, scored = self.model.logits(h[:n]), self._score(h[n:], inputs.scoring)
+        elif self.graphs is not None and self.graphs.has(inputs):
+            logits, scored = self.graphs.replay(inputs), {}
+        else:
+            logits, scored = self._forward(inputs), {}
+        return logits[: n - inputs.padding], scored
 
     def _score(self, h: torch.Tensor, scoring: PromptScoring) -> dict[int, list[TokenLogprobs]]:
         """Prompt logprobs, made from SCORING_ROWS rows of vocabulary-wide logits at a time so
@@ -152,13 +155,33 @@ class ModelRunner:
         return pack(batch, self.config.block_size, self.device, self.config.attention_backend)
 
     def _forward(self, inputs: StepInputs, kv_caches: KVCaches | None = None) -> torch.Tensor:
-        return self.model.forward(
-            inputs.input_ids,
-            inputs.positions,
-            self.kv_caches if kv_caches is None else kv_caches,
-            inputs.meta,
-            inputs.logits_rows,
-        )
+        caches = self.kv_caches if kv_caches is None else kv_caches
+        return self.model.logits(self._hidden(inputs, inputs.logits_rows, caches))
+
+    def _hidden(self, inputs: StepInputs, rows: torch.Tensor, kv_caches: KVCaches) -> torch.Tensor:
+        """The final (normed) hidden states [len(rows), hidden] of the given packed rows: every
+        layer in one C call where the CPU step applies, else layer by layer."""
+        m, positions, meta = self.model, inputs.positions, inputs.meta
+        h = m.embed(inputs.input_ids)  # [num_tokens, hidden], a copy
+        if self.cpu_step is not None and self.cpu_step.applies(positions, meta):
+            self.cpu_step(h, positions, kv_caches, meta, m.cos, m.sin)  # h in place
+        else:
+            h = m.layers(h, positions, kv_caches, meta)
+        return m.norm(h[rows])
+
+    def _capture(self, graphs: DecodeGraphs) -> None:
+        """Record one graph of a padded decode step per batch size, largest first, sharing one
+        memory pool; each replays this runner's forward pass on the graphs' static buffers."""
+        pool = None
+        for size in reversed(graphs.sizes):
+            inputs = graphs.rows(size)
+            self._forward(inputs)  # warm-up: compiles kernels, settles allocations
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(inputs)
+            pool = graph.pool()
+            graphs.add(size, graph, logits)
 
     def _cache(self, num_blocks: int) -> KVCaches:
         mc, c = self.model.config, self.config
@@ -220,8 +243,8 @@ def resolve_dtype(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
         return config
     if config.device.startswith("cuda"):
         dtype, why = "bfloat16", "a GPU"
-    elif config.quantization not in (None, "none") or (
-        config.quantization is None and checkpoint.block_formats()
+    elif config.quantization not in ("auto", "none") or (
+        config.quantization == "auto" and checkpoint.block_formats()
     ):
         dtype, why = "float32", "weights in GGUF blocks take float32 activations"
     elif onednn_packs(torch.bfloat16):

@@ -7,7 +7,8 @@ blocks above a watermark allow) take turns of at most `prefill_turn` tokens each
 is left goes to them again, oldest first. So a long prompt shares each step with the decodes and
 with a later arrival's first chunk instead of holding them back for its whole length. A request
 that cannot get its next block preempts the most recently admitted one, whose blocks are freed
-and whose tokens are recomputed when it is admitted again.
+and whose tokens are recomputed when it is admitted again. Blocks are the KV cache manager's
+(engine/kv_manager.py): the scheduler asks it for them and never sees the block pool.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanoserve.engine.kv_cache import BlockAllocator, cdiv
+from nanoserve.engine.kv_manager import ComputedBlocks, KVCacheManager
 from nanoserve.engine.request import Request, Status
 
 
@@ -80,11 +81,10 @@ class _Plan:
 
 @dataclass
 class Scheduler:
-    allocator: BlockAllocator
+    kv_cache_manager: KVCacheManager
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
-    watermark: float = 0.01
     # Most tokens one prefill takes in a step before every other prefill has had its turn
     # (default: half the budget); 0 or less means the default.
     prefill_turn: int = 0
@@ -95,10 +95,6 @@ class Scheduler:
     def __post_init__(self) -> None:
         if self.prefill_turn <= 0:
             self.prefill_turn = max(1, self.max_num_batched_tokens // 2)
-
-    @property
-    def watermark_blocks(self) -> int:
-        return int(self.watermark * self.allocator.num_blocks)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -133,14 +129,13 @@ class Scheduler:
     def _take(self, request: Request, num_new: int, plan: _Plan) -> None:
         """Give a running request `num_new` tokens, preempting the most recently admitted
         requests (itself last) until its blocks fit."""
-        while not self._can_grow(request, num_new):
+        while not self._allocate(request, num_new):
             plan.preempted = True
             victim = self.running.pop()
             plan.drop(victim)
             self._preempt(victim)
             if victim is request:
                 return
-        self._grow(request, num_new)
         plan.add(request, num_new)
 
     def _admit(self, plan: _Plan) -> None:
@@ -148,25 +143,19 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
-            # At least one token is always computed: it yields the logits of the next one. Cached
-            # blocks have no logits: a request that wants prompt logprobs computes its prompt.
-            scoring = request.prompt_logprobs is not None and (
-                len(request.prompt_logprobs) < request.num_prompt_tokens
-            )
-            lookup = 0 if scoring else request.num_tokens - 1
-            blocks, hashes = self.allocator.lookup(request.token_ids, lookup)
-            num_cached = len(blocks) * self.allocator.block_size
+            computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             if request.group_id in prefilling and num_cached < self._shareable_prompt_tokens(
                 request
             ):
                 i += 1  # a sibling is computing the shared prompt: wait, then reuse its blocks
                 continue
             num_new = self._chunk(request.num_tokens - num_cached, plan)
-            if num_new == 0 or not self._can_admit(blocks, num_cached + num_new):
+            # Beside running requests an admission must leave the watermark's blocks free for
+            # them to grow into; an admission to an empty batch may take the whole pool.
+            if num_new == 0 or not self._allocate(request, num_new, computed, bool(self.running)):
                 break
             del self.waiting[i]
-            self._start(request, blocks, hashes, num_cached)
-            self._grow(request, num_new)
+            self._start(request, num_cached)
             plan.add(request, num_new)
             if request.in_prefill:
                 prefilling.add(request.group_id)
@@ -177,13 +166,23 @@ class Scheduler:
         above the watermark go (no preemption for more than a turn)."""
         for request, num_new in list(plan.chunks.items()):
             extra = min(request.num_tokens - request.num_computed_tokens - num_new, plan.budget)
-            needed = self._blocks_needed(request, num_new + extra) + self.watermark_blocks
-            if extra > 0 and needed <= self.allocator.num_free:
-                self._grow(request, num_new + extra)
+            if extra > 0 and self._allocate(request, num_new + extra, watermark=True):
                 plan.add(request, extra)
 
+    def _allocate(
+        self,
+        request: Request,
+        num_new: int,
+        computed: ComputedBlocks | None = None,
+        watermark: bool = False,
+    ) -> bool:
+        """Whether the request got the blocks for its cached prefix and `num_new` more tokens
+        (above the watermark, with `watermark`); when not, nothing was taken."""
+        kv = self.kv_cache_manager
+        return kv.allocate_slots(request, num_new, computed, watermark) is not None
+
     def _shareable_prompt_tokens(self, request: Request) -> int:
-        bs = self.allocator.block_size
+        bs = self.kv_cache_manager.block_size
         return (request.num_prompt_tokens - 1) // bs * bs
 
     def _chunk(self, wanted: int, plan: _Plan) -> int:
@@ -196,25 +195,7 @@ class Scheduler:
             return wanted
         return 0
 
-    def _blocks_needed(self, request: Request, num_new: int) -> int:
-        total = request.num_computed_tokens + num_new
-        return max(0, cdiv(total, self.allocator.block_size) - len(request.block_table))
-
-    def _can_grow(self, request: Request, num_new: int) -> bool:
-        return self._blocks_needed(request, num_new) <= self.allocator.num_free
-
-    def _can_admit(self, cached_blocks: list[int], num_tokens: int) -> bool:
-        new_blocks = cdiv(num_tokens, self.allocator.block_size) - len(cached_blocks)
-        # Cached blocks nobody holds sit on the free list: taking them uses free blocks too.
-        revived = sum(1 for b in cached_blocks if self.allocator.ref_counts[b] == 0)
-        reserve = self.watermark_blocks if self.running else 0
-        return new_blocks + revived + reserve <= self.allocator.num_free
-
-    def _start(self, request: Request, blocks: list[int], hashes: list[int], cached: int) -> None:
-        for block in blocks:
-            self.allocator.share(block)
-        request.block_table = list(blocks)
-        request.block_hashes = list(hashes)
+    def _start(self, request: Request, cached: int) -> None:
         request.num_computed_tokens = cached
         request.status = Status.RUNNING
         if request.first_scheduled_time is None:
@@ -223,18 +204,13 @@ class Scheduler:
         self.stats.num_prefix_hit_tokens += cached
         self.running.append(request)
 
-    def _grow(self, request: Request, num_new: int) -> None:
-        for _ in range(self._blocks_needed(request, num_new)):
-            request.block_table.append(self.allocator.allocate())
-
     def _count_recomputed(self, request: Request, num_new: int) -> None:
         # Positions below the high-water mark were computed once already, before a preemption.
         redo = min(request.num_computed_tokens + num_new, request.high_water)
         self.stats.num_recomputed_tokens += max(0, redo - request.num_computed_tokens)
 
     def _preempt(self, request: Request) -> None:
-        self.allocator.release(request.block_table)
-        request.block_table = []
+        self.kv_cache_manager.free(request)
         request.high_water = max(request.high_water, request.num_computed_tokens)
         request.num_computed_tokens = 0
         request.status = Status.WAITING
@@ -244,16 +220,10 @@ class Scheduler:
 
     def after_step(self, batch: list[ScheduledRequest]) -> None:
         """Account the computed tokens and publish newly filled blocks to the prefix cache."""
-        bs = self.allocator.block_size
         for item in batch:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            for j in range(len(request.block_hashes), request.num_computed_tokens // bs):
-                prev = request.block_hashes[-1] if request.block_hashes else None
-                tokens = request.token_ids[j * bs : (j + 1) * bs]
-                request.block_hashes.append(
-                    self.allocator.register(request.block_table[j], prev, tokens)
-                )
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and free its blocks."""
@@ -261,5 +231,4 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.allocator.release(request.block_table)
-        request.block_table = []
+        self.kv_cache_manager.free(request)

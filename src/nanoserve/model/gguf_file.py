@@ -25,7 +25,7 @@ import numpy as np
 import tokenizers
 import torch
 
-from nanoserve.config import cache_dir
+from nanoserve.env import cache_dir
 from nanoserve.gguf_tokenizer import UnsupportedTokenizer, tokenizer_from_gguf
 from nanoserve.kernels import QuantizedWeight, aligned_bytes
 from nanoserve.model.config import ModelConfig, RopeConfig

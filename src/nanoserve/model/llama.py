@@ -1,15 +1,14 @@
 """The Llama forward pass (Llama 3.x: RMSNorm, RoPE with llama3 scaling, GQA, SwiGLU) over packed
-tokens of many sequences and the paged KV cache, as straight-line tensor code. Weights come fused
-and packed from the loader; RMSNorm and RoPE are nanoserve.kernels calls (one C call each on the
-CPU). A fast path for small decode steps (the CPU's one-call C step) may be attached by the
-runner: the forward pass takes it whenever it applies. Under tensor parallelism each rank runs its
-own heads and vocabulary slice, with the collectives of model/parallel.py.
+tokens of many sequences and the paged KV cache, as straight-line tensor code in four pieces that
+the runner composes: `embed`, the decoder `layers`, the final `norm` and the `logits` (the CPU's
+one-call decode step can stand in for the layers). Weights come fused and packed from the loader;
+RMSNorm and RoPE are nanoserve.kernels calls (one C call each on the CPU). Under tensor parallelism
+each rank runs its own heads and vocabulary slice, with the collectives of model/parallel.py.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,20 +21,6 @@ from nanoserve.model.parallel import SINGLE, Parallel
 from nanoserve.model.quantized import QuantizedWeight, embed_rows
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class DecodeFastPath(Protocol):
-    def applies(self, positions: torch.Tensor, meta: AttentionMetadata) -> bool: ...
-
-    def __call__(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> None: ...
 
 
 class Llama:
@@ -56,50 +41,19 @@ class Llama:
         cos, sin = rope_cos_sin(config.rope, config.head_dim, max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.fast_decode: DecodeFastPath | None = None
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,  # rows whose next-token logits are needed
-    ) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab], float32 (on rank 0: see `logits`)."""
-        return self.logits(self.hidden(input_ids, positions, kv_caches, meta, logits_indices))
-
-    def hidden(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: KVCaches,
-        meta: AttentionMetadata,
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """The final (normed) hidden states [len(rows), hidden] of the given packed rows."""
-        h = self._embed(input_ids)  # [num_tokens, hidden], a copy
-        if self.fast_decode is not None and self.fast_decode.applies(positions, meta):
-            self.fast_decode(h, positions, kv_caches, meta, self.cos, self.sin)  # h in place
-        else:
-            h = self._layers(h, positions, kv_caches, meta)
-        return rms_norm(h[rows], self.weights.norm, self.config.rms_norm_eps)
-
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [len(ids), hidden]: a fresh tensor the layers may update."""
         table = self.weights.embed
         if isinstance(table, QuantizedWeight):  # one process (blocks are not sharded)
             return embed_rows(table, ids)
         return self.parallel.embed(table, ids)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] float32. Under tensor parallelism a collective: every rank must call it
-        with the same number of rows, and only rank 0 gets the whole vocabulary."""
-        local = self.weights.lm_head(h)
-        return self.parallel.gather_logits(local, self.config.vocab_size).float()
-
-    def _layers(
+    def layers(
         self, h: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """Every decoder layer over h [num_tokens, hidden]: new keys and values go into their
+        cache slots; returns the hidden states after the last layer."""
         c, heads, kv_heads, reduce = self.config, self.num_heads, self.num_kv_heads, self.parallel
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         eps = c.rms_norm_eps
@@ -116,6 +70,16 @@ class Llama:
             gate, up = layer.gate_up(rms_norm(h, layer.post_norm, eps)).chunk(2, dim=-1)
             h = h + reduce.all_reduce(layer.down(F.silu(gate) * up))
         return h
+
+    def norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of hidden states (the rows whose logits are wanted)."""
+        return rms_norm(h, self.weights.norm, self.config.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] float32. Under tensor parallelism a collective: every rank must call it
+        with the same number of rows, and only rank 0 gets the whole vocabulary."""
+        local = self.weights.lm_head(h)
+        return self.parallel.gather_logits(local, self.config.vocab_size).float()
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
