@@ -91,7 +91,8 @@ class StructuredOutputsParams:
             options = {"whitespace_pattern": self.whitespace_pattern}
         m = llguidance.LLMatcher
         if self.json is not None:
-            return m.grammar_from_json_schema(self.json, defaults=options)
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return m.grammar_from_json_schema(closed_schema(schema), defaults=options)
         if self.json_object:
             return m.grammar_from_json_schema({"type": "object"}, defaults=options)
         if self.regex is not None:
@@ -108,6 +109,23 @@ class StructuredOutputsParams:
             except Exception as e:  # its parser raises plain exceptions
                 raise GrammarError(f"{self.param}.grammar: {e}", self.param) from None
         return m.grammar_from_lark(text)
+
+
+_VALUES = frozenset(["const", "enum", "default", "examples"])  # JSON values, not schemas
+
+
+def closed_schema(schema: Any) -> Any:
+    """The schema with every object that does not say otherwise taking no keys beyond its
+    properties (`additionalProperties: false`), as vLLM's default backend reads schemas: left
+    open, a small model may add keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed_schema(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _VALUES else closed_schema(v) for k, v in schema.items()}
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass

@@ -7,7 +7,6 @@ is refused by name, never accepted and ignored. Responses mirror OpenAI's shapes
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal
 
@@ -41,19 +40,6 @@ def _constraint(param: str, **fields: Any) -> StructuredOutputsParams:
         return StructuredOutputsParams(**fields, param=param)
     except GrammarError as e:
         raise InvalidRequest(str(e), e.param) from None
-
-
-def _closed(schema: Any) -> Any:
-    """vLLM's disable_additional_properties: objects that do not say otherwise take no keys
-    beyond their properties."""
-    if isinstance(schema, list):
-        return [_closed(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if out.get("type") == "object" and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 class _Strict(BaseModel):
@@ -100,7 +86,7 @@ class StructuredOutputsSpec(_Strict):
     json_object: bool | None = None
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = False  # the default: objects take no other keys
     disable_fallback: bool = False  # one backend: nothing to fall back to
     structural_tag: Any = None  # refused
 
@@ -187,12 +173,9 @@ class _GenerationRequest(_Strict):
         so = self.structured_outputs
         if so is None:
             return None
-        schema = so.json_
-        if so.disable_additional_properties and schema is not None:
-            schema = _closed(json.loads(schema) if isinstance(schema, str) else schema)
         return _constraint(
             "structured_outputs",
-            json=schema,
+            json=so.json_,
             regex=so.regex,
             choice=so.choice,
             grammar=so.grammar,

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from nanoserve.engine import StructuredOutputsParams
+from nanoserve.engine import StructuredOutputsParams, closed_schema
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ToolSyntax:
                 "type": "object",
                 "properties": {
                     "name": {"const": t["name"]},
-                    self.arguments: t.get("parameters") or {"type": "object"},
+                    self.arguments: closed_schema(t.get("parameters") or {"type": "object"}),
                 },
                 "required": ["name", self.arguments],
                 "additionalProperties": False,
