@@ -67,7 +67,8 @@ def openai_tool_round_trip(base_url: str, model: str) -> str:
     final = client.chat.completions.create(
         model=model, messages=messages, tools=tools, temperature=0, max_tokens=40
     )
-    return f"{call.function.name}({call.function.arguments}) -> {final.choices[0].message.content!r}"
+    answer = final.choices[0].message.content
+    return f"{call.function.name}({call.function.arguments}) -> {answer!r}"
 
 
 def langchain_structured(base_url: str, model: str) -> str:
