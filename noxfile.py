@@ -1,5 +1,5 @@
 """Sessions: tests, tests_avx2 and install_check (the CI suite, run by a bare `nox`), lint (ruff +
-mypy), bench (benchmarks), soak."""
+mypy), bench (benchmarks), soak, eval (lm-eval), clients (LangChain, instructor, openai)."""
 
 import nox
 
@@ -61,6 +61,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "bench.plot")  # bench_engine.py writes JSON only
     session.run("python", "-m", "bench.bench_gguf")  # SmolLM2's GGUF, llama.cpp on the same file
     session.run("python", "-m", "bench.bench_tp")  # one process against two (tensor parallelism)
+    session.run("python", "-m", "bench.bench_structured")  # grammars: compile, mask, throughput
     session.run("python", "-m", "bench.bench_serving")
     # Long prompts among short ones: inter-token latency with and without chunked prefill.
     mix = ["--rate", "4", "--concurrency", "--requests", "32", "--prompt-len", "16", "1800",
@@ -96,3 +97,16 @@ def eval(session: nox.Session) -> None:
     session.install("-e", ".[test]", "lm-eval[api]>=0.4.8")
     session.install(*DEFAULT_MODEL)
     session.run("python", "-m", "bench.eval_lm", *session.posargs)
+
+
+@nox.session
+def clients(session: nox.Session) -> None:
+    """The clients agent builders use (the openai SDK's parse() and a tool round trip,
+    LangChain's with_structured_output and bind_tools, instructor's TOOLS and JSON_SCHEMA
+    modes) against `nanoserve serve` on the default model (not in CI: they bring many
+    packages)."""
+    session.install(TORCH)
+    session.install("-e", ".")
+    session.install(*DEFAULT_MODEL)
+    session.install("langchain-openai", "instructor")
+    session.run("python", "examples/clients.py", "--serve")

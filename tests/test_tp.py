@@ -6,6 +6,7 @@ or idle) and stopping its worker on SIGTERM. The engines are spawned once per mo
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from test_engine import _mixed_requests
 from test_oracle import _prompts, _reference
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine import StructuredOutputsParams
 from nanoserve.testing.gguf_writer import write_gguf
 from nanoserve.testing.harness import WAIT_S, open_request, read_until, serve_command, sse_data
 
@@ -80,6 +82,19 @@ class TestTwoRanksAgreeWithOne:
         ours, preempted = _run(tp2, prompts, params)
         assert preempted > 0
         assert ours == _run(tp1, prompts, params)[0]
+
+    def test_structured_outputs_equal_one_process(self, tp1, tp2):
+        """The grammar lives on rank 0, which samples: the same constrained tokens at two ranks
+        as in one process, and every one of them matches."""
+        constraint = StructuredOutputsParams(regex="[a-d]{3}-[0-9]{2}")
+        params = [SamplingParams(temperature=t, seed=i, max_tokens=40,
+                                 structured_outputs=constraint)
+                  for i, t in enumerate([0.0, 1.0, 1.0])]  # fmt: skip
+        prompts = [list(range(5, 25 + 7 * i)) for i in range(3)]
+        ours, _ = _run(tp2, prompts, params)
+        assert ours == _run(tp1, prompts, params)[0]
+        texts = [tp1.engine.tokenizer.decode(ids) for ids in ours]
+        assert all(re.fullmatch("[a-d]{3}-[0-9]{2}", t) for t in texts), texts
 
     def test_a_prefix_hit_computes_less_and_changes_nothing(self, tp1, tp2):
         shared = list(range(100, 150))  # 6 full blocks of 8

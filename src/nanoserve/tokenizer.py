@@ -81,6 +81,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as JSON (what llguidance builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (a special token: its text)."""
         piece = self._tok.id_to_token(token_id)

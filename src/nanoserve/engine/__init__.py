@@ -4,6 +4,7 @@ are used; the scheduler, the KV cache manager and the requests stay inside."""
 from nanoserve.engine.engine import Engine, EngineStats, RequestRejected, SchedulerStalled
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.sampling import Logprob, SamplingParams
+from nanoserve.engine.structured import GrammarError, StructuredOutputsParams, closed_schema
 from nanoserve.engine.tp import WorkerFailed
 from nanoserve.engine.worker import worker_from_env
 
@@ -11,12 +12,15 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineStats",
+    "GrammarError",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "RequestRejected",
     "SamplingParams",
     "SchedulerStalled",
+    "closed_schema",
+    "StructuredOutputsParams",
     "WorkerFailed",
     "worker_from_env",
 ]

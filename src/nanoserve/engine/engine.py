@@ -26,6 +26,7 @@ from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
 from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.structured import GrammarCompiler, GrammarError, mask_logits
 from nanoserve.model.checkpoint import open_checkpoint
 from nanoserve.tokenizer import IncrementalDetokenizer
 
@@ -66,6 +67,8 @@ class Engine:
         self.model_config = mc = checkpoint.config
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.executor = start_executor(model, checkpoint, config)
         self.runner = self.executor.runner  # rank 0's: prepares each step, knows the pool
         self.num_blocks = self.runner.num_blocks
@@ -134,6 +137,8 @@ class Engine:
                 rid, request_id, index, token_ids, params, seed, max_tokens, detokenizer
             )
             request.arrival_time = arrived
+            if params.structured_outputs is not None:
+                request.matcher = self.grammars.matcher(params.structured_outputs)
             group.append(request)
         self._groups[request_id] = group
         for request in group:
@@ -179,6 +184,11 @@ class Engine:
                 f"than the context of {limit} tokens (max_model_len)",
                 "max_tokens",
             )
+        if params.structured_outputs is not None:
+            try:  # cached: a server compiles it in a worker thread before it queues the request
+                self.grammars.compile(params.structured_outputs)
+            except GrammarError as e:
+                raise RequestRejected(str(e), e.param) from None
         bs = self.config.block_size
         needed = cdiv(n + max_tokens, bs)
         if needed > self.num_blocks:
@@ -243,6 +253,7 @@ class Engine:
             prompt_logprobs.extend(entries)
         self.scheduler.after_step(batch)
         ready = [item.request for item in batch if item.samples]
+        logits = mask_logits(logits, [r.matcher for r in ready], self.grammars)
         samples = sample(logits, [self._sample_row(r) for r in ready])
         now = time.monotonic()
         touched: dict[str, list[Request]] = {}
@@ -267,7 +278,8 @@ class Engine:
     def _sample_row(self, request: Request) -> SampleRow:
         p = request.params
         banned: list[int] = []
-        if request.num_output_tokens < p.min_tokens:
+        # A constrained output ends where its grammar does: min_tokens bans nothing there.
+        if request.num_output_tokens < p.min_tokens and request.matcher is None:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         return SampleRow(
             p,
@@ -284,6 +296,8 @@ class Engine:
         self._generated += 1
         if request.first_token_time is None:
             request.first_token_time = now
+        if request.matcher is not None:
+            request.matcher.consume_token(token)  # the mask allowed it
         if token in p.stop_token_ids:
             request.finish("stop", token)
         elif token in self.eos_token_ids and not p.ignore_eos:
@@ -295,7 +309,9 @@ class Engine:
                 request.finish("stop", stop)
         if request.is_finished:
             return
-        if (
+        if request.matcher is not None and request.matcher.is_stopped():
+            request.finish("stop")  # the grammar is complete: nothing may follow
+        elif (
             request.num_output_tokens >= request.max_tokens
             or request.num_tokens >= self.max_model_len
         ):

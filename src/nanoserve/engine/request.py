@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from nanoserve.engine.sampling import Logprob, SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer
@@ -48,6 +49,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Structured outputs: the llguidance matcher, advanced with each output token. It depends on
+    # the output tokens alone, so a preemption (which recomputes only the cache) keeps it.
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

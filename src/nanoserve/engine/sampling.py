@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.engine.structured import StructuredOutputsParams
+
 _MASK64 = (1 << 63) - 1
 
 
@@ -35,6 +37,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives besides the chosen token
     prompt_logprobs: int | None = None  # each prompt token's logprob, and top-N alternatives
     skip_special_tokens: bool = True
+    # The output must match this constraint (engine/structured.py): the logits are masked
+    # before the penalties, temperature, filters and logprobs see them.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

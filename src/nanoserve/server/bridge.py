@@ -45,6 +45,7 @@ class Serving:
         self, engine: Engine, max_queue: int | None = None, metrics: Metrics | None = None
     ):
         self.tokenizer = engine.tokenizer
+        self.grammars = engine.grammars  # thread-safe: handlers compile in worker threads
         self.max_model_len = engine.max_model_len
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nanoserve.engine import SamplingParams
+from nanoserve.engine import GrammarError, SamplingParams, StructuredOutputsParams
 
 MAX_N = 16  # completions per prompt: each one is a sequence in the batch
 MAX_LOGPROBS = 20
@@ -35,6 +35,13 @@ class InvalidRequest(Exception):
         self.param = param
 
 
+def _constraint(param: str, **fields: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields, param=param)
+    except GrammarError as e:
+        raise InvalidRequest(str(e), e.param) from None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -49,6 +56,39 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None  # the output is always held to the schema
+
+
+class ResponseFormatSpec(_Strict):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsSpec(_Strict):
+    """vLLM's `structured_outputs`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False  # the default: objects take no other keys
+    disable_fallback: bool = False  # one backend: nothing to fall back to
+    structural_tag: Any = None  # refused
 
 
 class _GenerationRequest(_Strict):
@@ -78,27 +118,76 @@ class _GenerationRequest(_Strict):
     service_tier: str | None = None
     # Would change the answer and are not implemented: declared only to be refused by name.
     logit_bias: dict[str, float] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    response_format: dict[str, Any] | None = None
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields; at most one of them.
+    response_format: ResponseFormatSpec | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def refused(self) -> str | None:
         """The first set parameter that would change the answer and is not implemented."""
         unsupported = {
             "logit_bias": bool(self.logit_bias),
-            "guided_json": self.guided_json is not None,
-            "guided_regex": self.guided_regex is not None,
-            "guided_choice": self.guided_choice is not None,
-            "guided_grammar": self.guided_grammar is not None,
-            "structured_outputs": self.structured_outputs is not None,
-            "response_format": (self.response_format or {"type": "text"}) != {"type": "text"},
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_outputs.structural_tag": self.structured_outputs is not None
+            and self.structured_outputs.structural_tag is not None,
         }
         return next((name for name, used in unsupported.items() if used), None)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match, from whichever field gave it (a 400 naming it if two
+        did, or if it is malformed)."""
+        given = {
+            "response_format": self._response_format(),
+            "structured_outputs": self._structured_outputs(),
+            "guided_json": self._guided("json", self.guided_json),
+            "guided_regex": self._guided("regex", self.guided_regex),
+            "guided_choice": self._guided("choice", self.guided_choice),
+            "guided_grammar": self._guided("grammar", self.guided_grammar),
+        }
+        set_ = [(k, v) for k, v in given.items() if v is not None]
+        if len(set_) > 1:
+            names = " and ".join(k for k, _ in set_)
+            raise InvalidRequest(f"{names} cannot be combined: give one", set_[1][0])
+        return set_[0][1] if set_ else None
+
+    def _response_format(self) -> StructuredOutputsParams | None:
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return _constraint("response_format", json_object=True)
+        if rf.json_schema is None:
+            raise InvalidRequest(
+                "response_format.json_schema is required for type json_schema",
+                "response_format.json_schema",
+            )
+        return _constraint("response_format.json_schema.schema", json=rf.json_schema.json_schema)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        so = self.structured_outputs
+        if so is None:
+            return None
+        return _constraint(
+            "structured_outputs",
+            json=so.json_,
+            regex=so.regex,
+            choice=so.choice,
+            grammar=so.grammar,
+            json_object=bool(so.json_object),
+            whitespace_pattern="" if so.disable_any_whitespace else so.whitespace_pattern,
+        )
+
+    def _guided(self, kind: str, value: Any) -> StructuredOutputsParams | None:
+        if value is None:
+            return None
+        ws = self.guided_whitespace_pattern
+        return _constraint(f"guided_{kind}", **{kind: value}, whitespace_pattern=ws)
 
     def check(self) -> None:
         if name := self.refused():
@@ -123,7 +212,11 @@ class _GenerationRequest(_Strict):
             )
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         try:
             return SamplingParams(
@@ -144,6 +237,7 @@ class _GenerationRequest(_Strict):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=constraint,
             )
         except ValueError as e:  # SamplingParams names the field first: "min_tokens must be ..."
             raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
@@ -201,10 +295,23 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result answers this call
 
     @field_validator("content")
     @classmethod
@@ -227,11 +334,42 @@ class ChatMessage(_Strict):
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template receives them; a turn other than the assistant's needs
     content."""
+    out = []
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":
             raise InvalidRequest(f"messages.{i}.content is required", f"messages.{i}.content")
-    return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-            for m in messages]  # fmt: skip
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequest("only assistant messages have tool_calls", f"messages.{i}")
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None  # the arguments are always held to the schema
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -242,9 +380,9 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # harmless without tools
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -258,8 +396,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def refused(self) -> str | None:
         unsupported = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
             "audio": self.audio is not None,
@@ -278,6 +414,16 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise InvalidRequest("tool_choice needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise InvalidRequest(
+                    f"tool_choice names {self.tool_choice.function.name!r}, which is not among "
+                    f"the tools ({', '.join(names)})",
+                    "tool_choice",
+                )
         for key in self.chat_template_kwargs or {}:
             if key in SERVER_TEMPLATE_KEYS or not key.isidentifier():
                 name = f"chat_template_kwargs.{key}"
@@ -286,6 +432,21 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The functions the model is shown (none with tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
+
+    def required_tools(self) -> list[dict[str, Any]] | None:
+        """The functions one of which must be called ("required" or a named choice)."""
+        offered = self.offered_tools()
+        if offered is None or self.tool_choice in (None, "auto"):
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in offered if f["name"] == self.tool_choice.function.name]
+        return offered
 
     @property
     def completion_limit(self) -> int | None:
@@ -418,7 +579,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -440,7 +602,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}; {} at the end
+    # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}; {} at the end
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -21,12 +23,15 @@ from nanoserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCall,
     PromptLogprob,
     PromptTokensDetails,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
+from nanoserve.server.tools import ToolSyntax, call_id
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -234,12 +239,103 @@ def _joined(
     )
 
 
+@dataclass(frozen=True)
+class ToolPlan:
+    """The tools a chat request offered: how their calls look, and their names."""
+
+    syntax: ToolSyntax
+    names: frozenset[str]
+
+
+@dataclass
+class _Calls:
+    """What a streamed choice has sent of its tool calls."""
+
+    content_sent: int = 0  # characters of the text sent as content
+    ids: list[str] = field(default_factory=list)
+
+
 class ChatFormat(ResponseFormat):
+    """Chat completions. With tools, each choice's text is read for calls: before the first one
+    it is content; each complete call becomes a `tool_calls` entry (streamed: its id and name,
+    then its arguments), and the choice ends with finish_reason "tool_calls"."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        request_id: str,
+        model: str,
+        params: SamplingParams,
+        tools: ToolPlan | None = None,
+    ):
+        super().__init__(tokenizer, request_id, model, params)
+        self.tools = tools
+        self.calls: dict[int, _Calls] = {}
+
     def opening(self, num_prompts: int) -> list[BaseModel]:
         return [
             self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
             for i in range(num_prompts * self.n)
         ]
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[BaseModel]:
+        if self.tools is None:
+            return super().chunks(prompt_index, out)
+        self.cached_tokens[prompt_index] = out.num_cached_tokens
+        result = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            if index not in self.finished:
+                result += self._tool_chunks(index, c, self.tools)
+        return result
+
+    def _tool_chunks(self, index: int, c: CompletionOutput, tools: ToolPlan) -> list[BaseModel]:
+        state = self.calls.setdefault(index, _Calls())
+        done = c.finish_reason is not None
+        first, calls = tools.syntax.split(c.text, set(tools.names))
+        if first is not None:
+            end = first
+        else:
+            end = len(c.text) if done else tools.syntax.may_start(c.text)
+        deltas: list[dict[str, Any]] = []
+        if end > state.content_sent and not state.ids:
+            deltas.append({"content": c.text[state.content_sent : end]})
+            state.content_sent = end
+        for k, call in enumerate(calls[len(state.ids) :], start=len(state.ids)):
+            state.ids.append(call_id())
+            deltas.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": k,
+                            "id": state.ids[k],
+                            "type": "function",
+                            "function": {"name": call["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+            deltas.append(
+                {"tool_calls": [{"index": k, "function": {"arguments": call["arguments"]}}]}
+            )
+        start = self.sent_tokens.get(index, 0)
+        if done:
+            self.finished.add(index)
+            deltas.append({})
+        result = []
+        for j, delta in enumerate(deltas):
+            last = done and j == len(deltas) - 1
+            choice = ChatChunkChoice(
+                index=index,
+                delta=delta,
+                logprobs=self._logprobs(c, start) if j == 0 else None,
+                finish_reason=_finish(c, bool(state.ids)) if last else None,
+                stop_reason=c.stop_reason if last else None,
+            )
+            result.append(self._chunk([choice]))
+        if result:
+            self.sent_tokens[index] = len(c.token_ids)
+        return result
 
     def chunk(self, index: int, c: CompletionOutput, delta: str, start: int) -> BaseModel:
         choice = ChatChunkChoice(
@@ -254,16 +350,26 @@ class ChatFormat(ResponseFormat):
     def response(self, finals: Sequence[RequestOutput]) -> BaseModel:
         (out,) = finals
         self.cached_tokens = {0: out.num_cached_tokens}
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(content=c.text),
-                logprobs=self._logprobs(c, 0),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            message = ChatMessageOut(content=c.text)
+            if self.tools is not None:
+                content, calls = self.tools.syntax.parse(c.text, set(self.tools.names))
+                message = ChatMessageOut(
+                    content=content,
+                    tool_calls=[
+                        ToolCall(id=call_id(), function=FunctionCall(**call)) for call in calls
+                    ],
+                )
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(c, 0),
+                    finish_reason=_finish(c, bool(message.tool_calls)),
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in out.outputs
-        ]
         usage = self.usage(sum(len(c.token_ids) for c in out.outputs))
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
@@ -298,3 +404,8 @@ class ChatFormat(ResponseFormat):
             logprob=lp.logprob,
             bytes=list(self.tok.token_bytes(token_id)),
         )
+
+
+def _finish(c: CompletionOutput, called: bool) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when the model ended after calling tools."""
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason

@@ -23,13 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from quart import Response, g, request
 
-from nanoserve.engine import RequestOutput, SamplingParams
+from nanoserve.engine import GrammarError, RequestOutput, SamplingParams, StructuredOutputsParams
 from nanoserve.server.access import AccessRecord, printable
 from nanoserve.server.bridge import Serving
 from nanoserve.server.errors import ModelNotFound, error_info, error_response, too_large
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
@@ -40,7 +39,8 @@ from nanoserve.server.protocol import (
     message_dicts,
     parse,
 )
-from nanoserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat
+from nanoserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ToolPlan
+from nanoserve.server.tools import render_history, syntax_for
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,10 @@ class OpenAIServer:
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
-        params = req.sampling_params(req.max_tokens, req.logprobs, req.num_prompt_logprobs)
+        constraint = await self._compile(req.constraint())
+        params = req.sampling_params(
+            req.max_tokens, req.logprobs, req.num_prompt_logprobs, constraint
+        )
         fmt = CompletionFormat(
             self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo,
             prompt_logprobs=req.prompt_logprobs is not None,
@@ -116,10 +119,33 @@ class OpenAIServer:
         )
         self._check_model(req.model)
         req.check_sequences(1)
+        syntax, native = syntax_for(self.tokenizer.chat_template)
+        messages = message_dicts(req.messages)
+        offered = req.offered_tools()
         kwargs = req.chat_template_kwargs or {}
-        token_ids = await self._encode_chat(req.messages, req.add_generation_prompt, kwargs)
-        params = req.sampling_params(req.completion_limit, req.num_logprobs)
-        fmt = ChatFormat(self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params)
+        if offered or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+            messages, variables = render_history(messages, offered, native)
+            kwargs = {**kwargs, **variables}
+        token_ids = await self._encode_chat(messages, req.add_generation_prompt, kwargs)
+        constraint = req.constraint()
+        required = req.required_tools()
+        if offered and constraint is not None and req.tool_choice != "none":
+            raise InvalidRequest(
+                "response_format and structured outputs cannot be combined with tools unless "
+                'tool_choice is "none"',
+                "tools",
+            )
+        if required:  # a named function is called once; "required" may call several
+            named = req.tool_choice != "required"
+            constraint = syntax.grammar(required, req.parallel_tool_calls and not named)
+        constraint = await self._compile(constraint)
+        params = req.sampling_params(req.completion_limit, req.num_logprobs, None, constraint)
+        tools = None
+        if offered:
+            tools = ToolPlan(syntax, frozenset(t["name"] for t in offered))
+        fmt = ChatFormat(
+            self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, tools
+        )
         return await self._respond(fmt, req.stream, req.include_usage, [token_ids], params)
 
     async def models(self) -> Response:
@@ -140,7 +166,8 @@ class OpenAIServer:
         req: TokenizeRequest = parse(TokenizeRequest, await request.get_data(cache=False))
         self._check_model(req.model)
         if req.messages is not None:
-            tokens = await self._encode_chat(req.messages, req.add_generation_prompt, {})
+            messages = message_dicts(req.messages)
+            tokens = await self._encode_chat(messages, req.add_generation_prompt, {})
         else:
             tokens = await self._encode(req.prompt or "", req.add_special_tokens)
         body = {"tokens": tokens, "count": len(tokens), "max_model_len": self.serving.max_model_len}
@@ -295,13 +322,27 @@ class OpenAIServer:
             return encode()
         return await trio.to_thread.run_sync(encode, thread_name="tokenize")
 
+    async def _compile(
+        self, constraint: StructuredOutputsParams | None
+    ) -> StructuredOutputsParams | None:
+        """Check a constraint before the request is queued, in a worker thread (a schema takes
+        milliseconds, the first one a second or two); the engine then finds it compiled."""
+        if constraint is None:
+            return None
+        try:
+            await trio.to_thread.run_sync(
+                self.serving.grammars.compile, constraint, thread_name="grammar"
+            )
+        except GrammarError as e:
+            raise InvalidRequest(str(e), e.param) from None
+        return constraint
+
     async def _encode_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, kwargs: dict[str, Any]
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
     ) -> list[int]:
-        dicts = message_dicts(messages)
-        chars = sum(len(m["content"]) for m in dicts)
+        chars = sum(len(m["content"]) for m in messages)  # at least: the template adds more
         self._check_length(chars, "messages")
-        render = partial(self._render_chat, dicts, add_generation_prompt, kwargs)
+        render = partial(self._render_chat, messages, add_generation_prompt, kwargs)
         if chars <= LONG_PROMPT_CHARS:
             return render()
         return await trio.to_thread.run_sync(render, thread_name="tokenize")

@@ -1,0 +1,205 @@
+"""Tool calls: the functions a chat request offers, put in the prompt, constrained by a grammar
+when a call is required, and read back out of the generated text as OpenAI's `tool_calls`.
+
+Two syntaxes, chosen from the chat template: Hermes's (`<tool_call>{"name": ..., "arguments":
+...}</tool_call>`, which Qwen 2.5 and 3, SmolLM3 and Hermes use) and Llama 3's JSON (`{"name":
+..., "parameters": ...}`). A template that renders no tools (SmolLM2's) gets the Hermes syntax and
+a system message describing the tools, as Hermes models are prompted. Owns nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from nanoserve.engine import StructuredOutputsParams, closed_schema
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    name: str
+    open: str  # what starts a call ("" when a call is bare JSON)
+    close: str
+    arguments: str  # the key of the arguments object
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
+        """A call (or several, when `parallel`) of one of `tools`, its arguments matching that
+        function's JSON schema."""
+        bodies = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["name"]},
+                    self.arguments: closed_schema(t.get("parameters") or {"type": "object"}),
+                },
+                "required": ["name", self.arguments],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+        # Calls are written on one line, `{"name": "f", "arguments": {...}}`, as the templates
+        # show them: at most one space between two tokens.
+        body = {**body, "x-guidance": {"whitespace_pattern": "[ ]?"}}
+        call = " ".join([*self._literal(self.open), "body", *self._literal(self.close)])
+        separator = '"\\n"' if self.open else '"; "'
+        repeat = f" ({separator} call)*" if parallel else ""
+        lark = f"start: call{repeat}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
+        return StructuredOutputsParams(grammar=lark, param="tools")
+
+    @staticmethod
+    def _literal(text: str) -> list[str]:
+        return [json.dumps(text)] if text else []
+
+    def parse(self, text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+        """The content before the first call (None if only whitespace) and the calls, each
+        {"name", "arguments" (a JSON string)}. Text that is not a call of a known tool stays
+        content."""
+        first, calls = self.split(text, names)
+        if first is None:
+            return text, []
+        return text[:first].strip() or None, calls
+
+    def split(self, text: str, names: set[str]) -> tuple[int | None, list[dict[str, Any]]]:
+        """Where the first complete call of a known tool starts (None: no call), and the
+        calls."""
+        calls: list[dict[str, Any]] = []
+        first = None
+        for start, call in self._calls(text):
+            if call.get("name") not in names or not isinstance(call.get(self.arguments), dict):
+                continue
+            first = start if first is None else first
+            arguments = json.dumps(call[self.arguments], ensure_ascii=False)
+            calls.append({"name": call["name"], "arguments": arguments})
+        return first, calls
+
+    def _calls(self, text: str) -> list[tuple[int, dict[str, Any]]]:
+        found = []
+        decoder = json.JSONDecoder()
+        opener = re.escape(self.open) if self.open else r"(?:<\|python_tag\|>)?(?=\{)"
+        resume = 0  # a call's own braces are not calls
+        for match in re.finditer(opener, text):
+            if match.start() < resume:
+                continue
+            at = match.end()
+            while at < len(text) and text[at].isspace():
+                at += 1
+            try:
+                value, end = decoder.raw_decode(text, at)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                found.append((match.start(), value))
+                resume = end
+        return found
+
+    def may_start(self, text: str) -> int:
+        """Where a call may begin in streamed `text` (len(text) if nowhere): text before it
+        can be sent as content."""
+        if self.open:
+            at = text.find(self.open)
+            if at >= 0:
+                return at
+            for keep in range(min(len(self.open) - 1, len(text)), 0, -1):
+                if self.open.startswith(text[-keep:]):
+                    return len(text) - keep
+            return len(text)
+        stripped = text.lstrip()
+        if not stripped or stripped[0] in "{<":
+            return 0  # bare JSON calls are the whole answer
+        return len(text)
+
+
+HERMES = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
+LLAMA3_JSON = ToolSyntax("llama3_json", "", "", "parameters")
+
+
+def syntax_for(chat_template: str | None) -> tuple[ToolSyntax, bool]:
+    """The model family's call syntax, and whether its template renders the tools itself."""
+    template = chat_template or ""
+    native = "tools" in template
+    if native and "<tool_call>" not in template and "<|eot_id|>" in template:
+        return LLAMA3_JSON, True
+    return HERMES, native
+
+
+def functions(tools: list[Any]) -> list[dict[str, Any]]:
+    return [t["function"] for t in tools]
+
+
+def system_prompt(tools: list[dict[str, Any]]) -> str:
+    """Hermes's instructions, for a template that renders no tools."""
+    signatures = "\n".join(json.dumps({"type": "function", "function": t}) for t in tools)
+    return (
+        "You are a function calling AI model. You are provided with function signatures within "
+        "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+        "query. Don't make assumptions about what values to plug into functions.\n"
+        f"<tools>\n{signatures}\n</tools>\n"
+        "For each function call return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def render_history(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, native: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Messages and template variables for a conversation with tools. A native template gets
+    `tools` and the assistant's calls with their arguments as objects (as transformers passes
+    them); otherwise calls and results become Hermes text, and the tools a system message."""
+    if native:
+        out = [_native(m) for m in messages]
+        return out, {"tools": [{"type": "function", "function": t} for t in tools or []] or None}
+    out = [_as_text(m) for m in messages]
+    if tools:
+        prompt = system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, {}
+
+
+def _native(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = [
+        {**c, "function": {**c["function"], "arguments": _arguments(c["function"])}} for c in calls
+    ]
+    return {**message, "tool_calls": parsed}
+
+
+def _as_text(message: dict[str, Any]) -> dict[str, Any]:
+    if message["role"] == "tool":
+        return {
+            "role": "user",
+            "content": f"<tool_response>\n{message['content']}\n</tool_response>",
+        }
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    text = "\n".join(
+        HERMES.open + json.dumps({"name": c["function"]["name"],
+                                  "arguments": _arguments(c["function"])}) + HERMES.close
+        for c in calls
+    )  # fmt: skip
+    content = message.get("content") or ""
+    return {"role": "assistant", "content": f"{content}\n{text}".strip()}
+
+
+def _arguments(function: dict[str, Any]) -> Any:
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"

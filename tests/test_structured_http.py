@@ -1,0 +1,231 @@
+"""Structured outputs and tool calls through a real server and the official openai client:
+response_format (json_object, json_schema and the SDK's parse() with a pydantic model), vLLM's
+structured_outputs and guided_* fields, tools with tool_choice required, named and auto, a tool
+round trip with the call and its result in the history, streamed equal to unary, and bad
+constraints refused with a 400 naming the field before anything is queued."""
+
+import json
+import re
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from nanoserve.testing.harness import MODEL_NAME, live_server, sse_data
+
+C, X = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8},
+                           "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 8},
+                   "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+class Answer(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    answer: str = pydantic.Field(max_length=8)
+    score: int = pydantic.Field(ge=0, le=9)
+
+
+@pytest.fixture
+async def server(tiny_model_dir):
+    async with live_server(tiny_model_dir, num_kv_blocks=256) as s:
+        yield s
+
+
+@pytest.fixture
+async def client(server):
+    async with openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c
+
+
+def _error(response, status=400):
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+async def _stream_text(server, path, body):
+    response = await server.http.post(path, json={**body, "stream": True})
+    assert response.status_code == 200, response.text
+    events = [json.loads(d) for d in sse_data(response.content) if d != "[DONE]"]
+    key = "text" if path == C else "content"
+    texts = [c["text"] if path == C else c["delta"].get(key, "") for e in events
+             for c in e["choices"]]  # fmt: skip
+    return "".join(texts), events
+
+
+async def test_json_schema_and_json_object_unary_and_streamed(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    for seed in range(3):
+        body = {"messages": USER, "max_tokens": 300, "temperature": 1.0, "seed": seed,
+                "response_format": fmt}  # fmt: skip
+        reply = (await server.http.post(X, json=body)).json()
+        text = reply["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(text), SCHEMA)
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        streamed, _ = await _stream_text(server, X, body)
+        assert streamed == text
+    body = {"messages": USER, "max_tokens": 300, "seed": 0,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    text = (await server.http.post(X, json=body)).json()["choices"][0]["message"]["content"]
+    assert isinstance(json.loads(text), dict)
+
+
+async def test_the_sdk_parse_with_a_pydantic_model(client):
+    completion = await client.beta.chat.completions.parse(
+        model=MODEL_NAME, messages=USER, response_format=Answer, max_tokens=300, seed=1
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Answer)
+
+
+async def test_vllm_fields_on_both_endpoints(server):
+    cases = [
+        ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda t: re.fullmatch("[0-9]{3}", t)),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True),
+        ({"guided_regex": "a+b"}, lambda t: re.fullmatch("a+b", t)),
+        ({"guided_choice": ["x"]}, lambda t: t == "x"),
+        ({"structured_outputs": {"grammar": 'start: "k=" /[0-9]/'}},
+         lambda t: re.fullmatch("k=[0-9]", t)),
+        ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+         lambda t: t == json.dumps(json.loads(t), separators=(",", ":"), ensure_ascii=False)),
+    ]  # fmt: skip
+    for fields, ok in cases:
+        for path, base in ((C, {"prompt": "Answer:"}), (X, {"messages": USER})):
+            body = {**base, **fields, "max_tokens": 300, "temperature": 1.0, "seed": 3}
+            reply = (await server.http.post(path, json=body)).json()
+            choice = reply["choices"][0]
+            text = choice["text"] if path == C else choice["message"]["content"]
+            assert ok(text), (fields, text)
+            streamed, _ = await _stream_text(server, path, body)
+            assert streamed == text
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a",
+          "schema": {"type": "nope"}}}}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "surprise": 1}}, "structured_outputs.surprise"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function",
+          "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+         "tools.0.function.name"),
+    ],
+)  # fmt: skip
+async def test_a_bad_constraint_is_a_400_naming_the_field(server, fields, param):
+    body = {"messages": USER, "max_tokens": 4, **fields}
+    error = _error(await server.http.post(X, json=body))
+    assert error["param"] == param, error
+    health = (await server.http.get("/health")).json()
+    assert health["running"] == health["waiting"] == 0
+
+
+async def test_a_required_tool_call_and_the_round_trip(client):
+    """tool_choice "required": the answer is a call of one of the tools with arguments that
+    match its schema; the call and its result go back in the history, and the final answer
+    (tool_choice "none") is text."""
+    messages: list = list(USER)
+    reply = await client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME], tool_choice="required",
+        max_tokens=300, seed=2, temperature=1.0,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert calls and all(c.id.startswith("call_") for c in calls)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    messages.append(choice.message.model_dump(exclude_none=True))
+    for call in calls:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'})
+    final = await client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME], tool_choice="none",
+        max_tokens=8, temperature=0,
+    )  # fmt: skip
+    assert final.choices[0].message.tool_calls in (None, [])
+    assert final.choices[0].message.content
+
+
+async def test_a_named_tool_choice_calls_that_tool_once(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(3):
+        reply = await client.chat.completions.create(
+            model=MODEL_NAME, messages=USER, tools=[WEATHER, TIME], tool_choice=named,
+            max_tokens=200, seed=seed, temperature=1.0,
+        )  # fmt: skip
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == "get_time"
+        assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+        assert reply.choices[0].message.content is None
+
+
+async def test_streamed_tool_calls_in_openai_shape(server, client):
+    """Streamed: the call's id, type and name first, then its arguments; the fragments put
+    together equal the unary answer's call."""
+    body = {"messages": USER, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200,
+            "seed": 4, "temperature": 1.0, "parallel_tool_calls": False}  # fmt: skip
+    unary = (await server.http.post(X, json=body)).json()["choices"][0]
+    (expected,) = unary["message"]["tool_calls"]
+    _, events = await _stream_text(server, X, body)
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    parts = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
+    assert parts[0]["id"].startswith("call_") and parts[0]["type"] == "function"
+    assert parts[0]["function"]["name"] == "get_weather"
+    assert (
+        "".join(p["function"].get("arguments", "") for p in parts)
+        == (expected["function"]["arguments"])
+    )
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["tool_calls"]
+    stream = await client.chat.completions.create(
+        model=MODEL_NAME, **{k: v for k, v in body.items() if k != "messages"}, messages=USER,
+        stream=True,
+    )  # fmt: skip
+    names = [tc.function.name async for chunk in stream for tc in chunk.choices[0].delta.tool_calls
+             or [] if tc.function and tc.function.name]  # fmt: skip
+    assert names == ["get_weather"]
