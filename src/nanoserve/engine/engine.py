@@ -57,6 +57,7 @@ class EngineStats:
     peak_running: int
     generation_tokens: int
     computed_tokens: int  # all positions run through the model, recomputes too
+    mask_seconds: float  # spent filling and applying structured outputs' token masks
 
 
 class Engine:
@@ -86,6 +87,7 @@ class Engine:
         self._seeds = random.Random(0)
         self._generated = 0
         self._computed = 0
+        self._mask_s = 0.0
 
     def check_health(self) -> None:
         """Raise (WorkerFailed) if the engine can no longer step: a tensor-parallel worker died.
@@ -231,6 +233,7 @@ class Engine:
             peak_running=s.stats.peak_running,
             generation_tokens=self._generated,
             computed_tokens=self._computed,
+            mask_seconds=self._mask_s,
         )
 
     # -- one step -----------------------------------------------------------------------------
@@ -253,7 +256,10 @@ class Engine:
             prompt_logprobs.extend(entries)
         self.scheduler.after_step(batch)
         ready = [item.request for item in batch if item.samples]
-        logits = mask_logits(logits, [r.matcher for r in ready], self.grammars)
+        if any(r.matcher is not None for r in ready):
+            start = time.perf_counter()
+            logits = mask_logits(logits, [r.matcher for r in ready], self.grammars)
+            self._mask_s += time.perf_counter() - start
         samples = sample(logits, [self._sample_row(r) for r in ready])
         now = time.monotonic()
         touched: dict[str, list[Request]] = {}
