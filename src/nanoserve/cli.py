@@ -203,8 +203,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         default=d.quantization,
-        help="q8_0/q4_0/q4_1: quantize a float checkpoint's matrices at load (CPU, float32); "
-        "none: de-quantize a GGUF's (default: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in blocks)",
+        help=f"{'/'.join(QUANTIZATIONS[:-1])}: quantize a float checkpoint's matrices at load "
+        "(CPU, float32); none: de-quantize a GGUF's (default: a GGUF's matrices in those formats "
+        "stay in blocks)",
     )
     add("--device", default=d.device, help="cpu, or cuda[:N]")
     add("--block-size", type=int, default=d.block_size, help="tokens per KV block (a power of 2)")
