@@ -2,7 +2,7 @@
  * their kernels (paged_attention.c, linear.c, norm_rope.c, decode_step.c, quant.c,
  * quant_convert.c); each takes its arguments by keyword (kernels/c_backend.py names every one),
  * pointers as ints. */
-#include "nanoserve.h"
+#include "quant.h"
 
 #include <omp.h>
 
@@ -67,8 +67,8 @@ static struct PyModuleDef module = {
     "_C",
     "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE, the one-call decode step and "
     "matmuls on GGUF block weights; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and "
-    "decode_layers take; BLOCK_FORMATS: {name: (GGML type id, bytes of a block of 32 values)} of "
-    "the block formats.",
+    "decode_layers take; BLOCK_FORMATS: {name: (GGML type id, bytes of a block)} of the block "
+    "formats, whose blocks hold BLOCK_VALUES values.",
     -1,
     methods,
     NULL,
@@ -80,6 +80,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__C(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "GEMV_ROWS", NS_GEMV_ROWS) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "BLOCK_VALUES", QK) < 0) Py_CLEAR(m);
     PyObject *formats = m ? nanoserve_block_formats() : NULL;
     if (m && (!formats || PyModule_AddObjectRef(m, "BLOCK_FORMATS", formats) < 0)) Py_CLEAR(m);
     Py_XDECREF(formats);

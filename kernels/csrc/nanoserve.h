@@ -156,7 +156,7 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
                    Py_ssize_t K, int dtype, int num_threads);
 
 /* quant.c: out [M, N] float32 = x [M, K] float32 times the transpose of w [N, K], a matrix of
- * GGUF blocks of GGML type qtype (a code of quant.h's NS_BLOCK_FORMATS); K a multiple of 32; x
+ * GGUF blocks of GGML type qtype (a code of quant.c's table of formats); K a multiple of 32; x
  * quantized per block of 32 to int16. Each out[m, n] depends on row m of x and row n of w only
  * (bitwise, whatever M, the other rows or the thread count). 0, or -1 when out of memory. */
 int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
