@@ -192,6 +192,41 @@ def dequantize(
     )
 
 
+def check_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Paged attention's check of its table values (the C module's, its one home), for the paths
+    that do not run in C; nothing in a source tree that was never built."""
+    if _C is not None:
+        _C.check_tables(
+            block_tables=block_tables.data_ptr(),
+            context_lens=context_lens.data_ptr(),
+            num_seqs=context_lens.shape[0],
+            max_blocks_per_seq=block_tables.shape[1],
+            block_size=block_size,
+            num_blocks=num_blocks,
+        )
+
+
+def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """The KV store's check of its slots (the C module's), as check_tables."""
+    if _C is not None:
+        _C.check_slots(
+            slot_mapping=slot_mapping.data_ptr(),
+            num_tokens=slot_mapping.shape[0],
+            slots_are_int64=int(slot_mapping.dtype == torch.int64),
+            num_slots=num_slots,
+        )
+
+
+def check_positions(positions: torch.Tensor, table_rows: int) -> None:
+    """RoPE's check of its positions (the C module's), as check_tables."""
+    if _C is not None:
+        _C.check_positions(
+            positions=positions.data_ptr(), num_positions=positions.shape[0], table_rows=table_rows
+        )
+
+
 def _check_qtypes(qtypes: torch.Tensor | None, num_layers: int) -> None:
     if qtypes is not None and (
         qtypes.dtype != torch.int32

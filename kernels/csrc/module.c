@@ -39,6 +39,15 @@ static PyMethodDef methods[] = {
      "up to GEMV_ROWS rows through every layer, h updated in place; pointers as ints. qtypes: an "
      "int32 [num_layers, 4] table (qkv, o, gate_up, down) of GGML type ids of GGUF block "
      "matrices (BLOCK_FORMATS), 0 for float ones (float32 activations only), or 0 for none."},
+    {"check_tables", KW_FUNCTION(nanoserve_py_check_tables), METH_VARARGS | METH_KEYWORDS,
+     "check_tables(block_tables, context_lens, num_seqs, max_blocks_per_seq, block_size, "
+     "num_blocks): paged attention's check of its int32 tables; ValueError names an entry."},
+    {"check_slots", KW_FUNCTION(nanoserve_py_check_slots), METH_VARARGS | METH_KEYWORDS,
+     "check_slots(slot_mapping, num_tokens, slots_are_int64, num_slots): the KV store's check of "
+     "its slots; ValueError names one past the cache."},
+    {"check_positions", KW_FUNCTION(nanoserve_py_check_positions), METH_VARARGS | METH_KEYWORDS,
+     "check_positions(positions, num_positions, table_rows): RoPE's check of its int64 "
+     "positions; ValueError names one outside the tables."},
     {"quant_linear", KW_FUNCTION(nanoserve_py_quant_linear), METH_VARARGS | METH_KEYWORDS,
      "quant_linear(out, x, w, M, N, K, qtype, num_threads): out [M, N] float32 = x [M, K] "
      "float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (BLOCK_FORMATS), "
