@@ -147,8 +147,6 @@ def rope_(
 
 # GGML's type ids of the GGUF block formats: the C module's qtype codes.
 QTYPE_CODES = {name: code for name, (code, _) in BLOCK_FORMATS.items()}
-# decode_layers' qtypes columns: the matrices of a layer that may be GGUF block matrices.
-QUANT_MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 def quant_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
@@ -227,22 +225,20 @@ def check_positions(positions: torch.Tensor, table_rows: int) -> None:
         )
 
 
-def _check_qtypes(qtypes: torch.Tensor | None, num_layers: int) -> None:
-    if qtypes is not None and (
-        qtypes.dtype != torch.int32
-        or tuple(qtypes.shape) != (num_layers, len(QUANT_MATRICES))
-        or not qtypes.is_contiguous()
-        or not qtypes.is_cpu
-    ):
-        raise ValueError(
-            f"qtypes must be a contiguous CPU int32 tensor [num_layers, 4] = "
-            f"[{num_layers}, 4], got {tuple(qtypes.shape)} {qtypes.dtype} on {qtypes.device}"
-        )
+def layer_table(layers: list[dict[str, tuple[int, int]]]) -> object:
+    """decode_layers' layers: per layer a dict {field: (data pointer, format)} naming every field
+    of the C step's struct layer_weights (csrc/decode_step.c): a layer's weights, as
+    src/nanoserve/model/weights.py's LayerWeights names them, then k_cache and v_cache. Format 0:
+    floats of the step's dtype; else a QTYPE_CODES value, a matrix of GGUF blocks (rows of
+    blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), which needs a float32 h
+    (its matmul rounds it to int16 per block, as kernels.quant.quantized_linear). An opaque
+    object, holding the pointers (not the tensors behind them)."""
+    return _C.layer_table(layers=layers)
 
 
 def decode_layers(
     h: torch.Tensor,
-    layers: torch.Tensor,
+    layers: object,
     positions: torch.Tensor,
     slots: torch.Tensor,
     cos: torch.Tensor,
@@ -256,18 +252,11 @@ def decode_layers(
     intermediate: int,
     eps: float,
     scale: float,
-    qtypes: torch.Tensor | None = None,
 ) -> None:
-    """qtypes: None (every matrix a float tensor of h's dtype), or an int32 table [num_layers, 4]
-    whose columns are QUANT_MATRICES: 0 for a float matrix, a QTYPE_CODES value for a matrix of
-    GGUF blocks (rows of blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), whose
-    pointer the layers table then holds; quantized matrices need a float32 h (their matmuls round
-    it to int16 per block, as kernels.quant.quantized_linear)."""
-    _check_qtypes(qtypes, layers.shape[0])
+    """Every layer of a decode step on h ([rows, hidden], in place); layers: from layer_table."""
     _C.decode_layers(
         h=h.data_ptr(),
-        layers=layers.data_ptr(),
-        num_layers=layers.shape[0],
+        layers=layers,
         positions=positions.data_ptr(),
         slots=slots.data_ptr(),
         cos=cos.data_ptr(),
@@ -288,5 +277,4 @@ def decode_layers(
         scale=float(scale),
         dtype_code=DTYPE_CODES[h.dtype],
         num_threads=torch.get_num_threads(),
-        qtypes=0 if qtypes is None else qtypes.data_ptr(),
     )

@@ -33,12 +33,16 @@ static PyMethodDef methods[] = {
      "rope(qk, positions, cos, sin, rows, heads, head_dim, row_stride, table_rows, dtype_code, "
      "num_threads): rotary embedding in place; positions int64."},
     {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
-     "decode_layers(h, layers, num_layers, positions, slots, cos, sin, table_rows, block_tables, "
+     "decode_layers(h, layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
-     "head_dim, intermediate, eps, scale, dtype_code, num_threads, qtypes=0): a decode step of "
-     "up to GEMV_ROWS rows through every layer, h updated in place; pointers as ints. qtypes: an "
-     "int32 [num_layers, 4] table (qkv, o, gate_up, down) of GGML type ids of GGUF block "
-     "matrices (BLOCK_FORMATS), 0 for float ones (float32 activations only), or 0 for none."},
+     "head_dim, intermediate, eps, scale, dtype_code, num_threads): a decode step of up to "
+     "GEMV_ROWS rows through every layer, h updated in place; layers: what layer_table returns; "
+     "pointers as ints."},
+    {"layer_table", KW_FUNCTION(nanoserve_py_layer_table), METH_VARARGS | METH_KEYWORDS,
+     "layer_table(layers): decode_layers' layers from a list of dicts, one a layer, {field: "
+     "(pointer, format)} for every field of the C step's struct layer_weights (its weights and "
+     "KV cache, by name); format 0 for floats of the step's dtype, else (a matrix only, with "
+     "float32 activations) the GGML type id of its GGUF blocks (BLOCK_FORMATS)."},
     {"check_tables", KW_FUNCTION(nanoserve_py_check_tables), METH_VARARGS | METH_KEYWORDS,
      "check_tables(block_tables, context_lens, num_seqs, max_blocks_per_seq, block_size, "
      "num_blocks): paged attention's check of its int32 tables; ValueError names an entry."},

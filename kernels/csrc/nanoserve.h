@@ -188,6 +188,7 @@ PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kw
 PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rope(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_layer_table(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_check_tables(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_check_slots(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_check_positions(PyObject *self, PyObject *args, PyObject *kwargs);
