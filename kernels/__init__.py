@@ -5,9 +5,9 @@ store_kv writes new tokens into it. backend="auto" picks Triton for CUDA tensors
 for CPU tensors (falling back to torch, with a warning, when the C module is not built).
 small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory speed on the CPU;
 rms_norm and rope_ do Llama's RMSNorm and rotary embedding in one C call each on the CPU.
-quantized_linear multiplies by a matrix kept in llama.cpp's GGUF block formats (QUANT_TYPES: Q8_0,
-Q4_0, Q4_1; see kernels/quant.py) on the CPU's best instruction set (cpu_isa()), its input rounded
-to int16 (ACTIVATIONS).
+quantized_linear multiplies by a matrix kept in one of llama.cpp's GGUF block formats (QUANT_TYPES,
+the C module's table of formats; see kernels/quant.py) on the CPU's best instruction set
+(cpu_isa()), its input rounded to int16 (ACTIVATIONS).
 """
 
 from .api import (

@@ -1,8 +1,11 @@
 """The public kernel API: argument checks, then dispatch to the torch, C or Triton backend.
 
-Every user-visible error is raised here (or by the C module, for table values and positions) and
-names the argument at fault. Backends receive checked tensors (contiguous, but for rope_'s qk,
-whose rows may be strided) and do no checks of their own.
+Every user-visible error is raised here and names the argument at fault; the values of index
+tables (positions, slots, block tables, context lengths) are checked by the C module, their one
+home: the C kernels check them at C speed, and the torch and Triton paths on CPU tensors call the
+same checks (c_backend.check_*). On CUDA tensors values are not checked (reading them would wait
+for the device). Backends receive checked tensors (contiguous, but for rope_'s qk, whose rows may
+be strided) and do no checks of their own.
 """
 
 import importlib.util
@@ -45,7 +48,7 @@ def paged_attention_decode(
         out = torch.empty_like(q)
     impl = _backend(backend, q.device)
     if impl is not c_backend and q.device.type == "cpu":
-        _check_table_values(block_tables, context_lens, k_cache.shape[0], k_cache.shape[2])
+        c_backend.check_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[2])
     impl.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
     return out
 
@@ -63,7 +66,7 @@ def store_kv(
     _check_store(key, value, k_cache, v_cache, slot_mapping)
     impl = _backend(backend, key.device)
     if impl is not c_backend and key.device.type == "cpu" and slot_mapping.numel():
-        _check_slot_values(slot_mapping, k_cache.shape[0] * k_cache.shape[2])
+        c_backend.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[2])
     impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -147,16 +150,9 @@ def rope_(
     _check_device(qk.device, positions=positions, cos=cos, sin=sin)
     impl = _cpu_ops(qk)
     if impl is torch_ref and qk.device.type == "cpu" and positions.numel():
-        _check_positions(positions, cos.shape[0])  # the C module checks its own
+        c_backend.check_positions(positions, cos.shape[0])
     impl.rope_(qk, heads, positions, cos, sin)
     return qk
-
-
-def _check_positions(positions: torch.Tensor, table_rows: int) -> None:
-    bad = (positions < 0) | (positions >= table_rows)
-    if bool(bad.any()):
-        t = int(bad.nonzero()[0, 0])
-        raise ValueError(f"positions[{t}] = {int(positions[t])} is outside [0, {table_rows})")
 
 
 def _cpu_ops(x: torch.Tensor) -> ModuleType:
@@ -334,36 +330,3 @@ def _check_small_linear(x, w, out) -> None:
             raise TypeError(f"out dtype {out.dtype} differs from x dtype {x.dtype}")
         if out.device.type != "cpu":
             raise ValueError(f"out must be a CPU tensor, got one on {out.device}")
-
-
-def _check_table_values(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
-) -> None:
-    """What the C module checks in C; done here for the torch and interpreted Triton paths."""
-    capacity = block_tables.shape[1] * block_size
-    bad = (context_lens < 1) | (context_lens > capacity)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"context_lens[{i}] = {int(context_lens[i])} is outside [1, {capacity}] "
-            "(max_blocks_per_seq * block_size)"
-        )
-    starts = torch.arange(block_tables.shape[1], device=block_tables.device) * block_size
-    used = starts < context_lens[:, None]
-    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    if bool(bad.any()):
-        i, j = bad.nonzero()[0].tolist()
-        raise ValueError(
-            f"block_tables[{i}, {j}] = {int(block_tables[i, j])} is outside [0, {num_blocks}) "
-            "(num_blocks)"
-        )
-
-
-def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
-    bad = slot_mapping >= num_slots
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside [0, {num_slots}) "
-            "(num_blocks * block_size)"
-        )

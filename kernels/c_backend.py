@@ -39,10 +39,11 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows small_linear and decode_layers take (NS_GEMV_ROWS in csrc/nanoserve.h). The 4 is
 # only for a source tree that was never built, whose C kernels cannot run anyway.
 GEMV_ROWS: int = _C.GEMV_ROWS if _C is not None else 4
-# The GGUF block formats the C kernels take, {name: (GGML type id, bytes of a block of 32
-# values)}, from their one table (NS_BLOCK_FORMATS in csrc/quant.h); empty in a source tree that
-# was never built.
+# The GGUF block formats the C kernels take, {name: (GGML type id, bytes of a block)}, from their
+# one table (csrc/quant.c, a row in each format's file); empty in a source tree that was never
+# built. Every format's block holds BLOCK_VALUES values along K (QK in csrc/quant.h).
 BLOCK_FORMATS: dict[str, tuple[int, int]] = dict(_C.BLOCK_FORMATS) if _C is not None else {}
+BLOCK_VALUES: int = _C.BLOCK_VALUES if _C is not None else 0
 
 
 def paged_attention_decode(
@@ -146,8 +147,6 @@ def rope_(
 
 # GGML's type ids of the GGUF block formats: the C module's qtype codes.
 QTYPE_CODES = {name: code for name, (code, _) in BLOCK_FORMATS.items()}
-# decode_layers' qtypes columns: the matrices of a layer that may be GGUF block matrices.
-QUANT_MATRICES = ("qkv", "o", "gate_up", "down")
 
 
 def quant_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
@@ -191,22 +190,55 @@ def dequantize(
     )
 
 
-def _check_qtypes(qtypes: torch.Tensor | None, num_layers: int) -> None:
-    if qtypes is not None and (
-        qtypes.dtype != torch.int32
-        or tuple(qtypes.shape) != (num_layers, len(QUANT_MATRICES))
-        or not qtypes.is_contiguous()
-        or not qtypes.is_cpu
-    ):
-        raise ValueError(
-            f"qtypes must be a contiguous CPU int32 tensor [num_layers, 4] = "
-            f"[{num_layers}, 4], got {tuple(qtypes.shape)} {qtypes.dtype} on {qtypes.device}"
+def check_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Paged attention's check of its table values (the C module's, its one home), for the paths
+    that do not run in C; nothing in a source tree that was never built."""
+    if _C is not None:
+        _C.check_tables(
+            block_tables=block_tables.data_ptr(),
+            context_lens=context_lens.data_ptr(),
+            num_seqs=context_lens.shape[0],
+            max_blocks_per_seq=block_tables.shape[1],
+            block_size=block_size,
+            num_blocks=num_blocks,
         )
+
+
+def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """The KV store's check of its slots (the C module's), as check_tables."""
+    if _C is not None:
+        _C.check_slots(
+            slot_mapping=slot_mapping.data_ptr(),
+            num_tokens=slot_mapping.shape[0],
+            slots_are_int64=int(slot_mapping.dtype == torch.int64),
+            num_slots=num_slots,
+        )
+
+
+def check_positions(positions: torch.Tensor, table_rows: int) -> None:
+    """RoPE's check of its positions (the C module's), as check_tables."""
+    if _C is not None:
+        _C.check_positions(
+            positions=positions.data_ptr(), num_positions=positions.shape[0], table_rows=table_rows
+        )
+
+
+def layer_table(layers: list[dict[str, tuple[int, int]]]) -> object:
+    """decode_layers' layers: per layer a dict {field: (data pointer, format)} naming every field
+    of the C step's struct layer_weights (csrc/decode_step.c): a layer's weights, as
+    src/nanoserve/model/weights.py's LayerWeights names them, then k_cache and v_cache. Format 0:
+    floats of the step's dtype; else a QTYPE_CODES value, a matrix of GGUF blocks (rows of
+    blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), which needs a float32 h
+    (its matmul rounds it to int16 per block, as kernels.quant.quantized_linear). An opaque
+    object, holding the pointers (not the tensors behind them)."""
+    return _C.layer_table(layers=layers)
 
 
 def decode_layers(
     h: torch.Tensor,
-    layers: torch.Tensor,
+    layers: object,
     positions: torch.Tensor,
     slots: torch.Tensor,
     cos: torch.Tensor,
@@ -220,18 +252,11 @@ def decode_layers(
     intermediate: int,
     eps: float,
     scale: float,
-    qtypes: torch.Tensor | None = None,
 ) -> None:
-    """qtypes: None (every matrix a float tensor of h's dtype), or an int32 table [num_layers, 4]
-    whose columns are QUANT_MATRICES: 0 for a float matrix, a QTYPE_CODES value for a matrix of
-    GGUF blocks (rows of blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), whose
-    pointer the layers table then holds; quantized matrices need a float32 h (their matmuls round
-    it to int16 per block, as kernels.quant.quantized_linear)."""
-    _check_qtypes(qtypes, layers.shape[0])
+    """Every layer of a decode step on h ([rows, hidden], in place); layers: from layer_table."""
     _C.decode_layers(
         h=h.data_ptr(),
-        layers=layers.data_ptr(),
-        num_layers=layers.shape[0],
+        layers=layers,
         positions=positions.data_ptr(),
         slots=slots.data_ptr(),
         cos=cos.data_ptr(),
@@ -252,5 +277,4 @@ def decode_layers(
         scale=float(scale),
         dtype_code=DTYPE_CODES[h.dtype],
         num_threads=torch.get_num_threads(),
-        qtypes=0 if qtypes is None else qtypes.data_ptr(),
     )

@@ -1,12 +1,11 @@
 """Matmuls on weights kept in llama.cpp's GGUF block formats, on the CPU.
 
-A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of 32 values along K,
-never de-quantized to a float matrix. Q8_0: fp16 d + 32 int8 q (34 bytes, value q d); Q4_0: fp16
-d + 16 bytes of nibbles (18 bytes, value (q - 8) d); Q4_1: fp16 d, fp16 m + 16 bytes (20 bytes,
-value q d + m); byte j of a 4-bit block holds value j in its low nibble and value j + 16 in its high
-one (the structs and the one table of formats: kernels/csrc/quant.h, whence QUANT_TYPES and
-BLOCK_BYTES). quantize() makes one from float weights (the bytes gguf.quants.quantize makes),
-dequantize() is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in one C call.
+A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of BLOCK_VALUES (32)
+values along K, never de-quantized to a float matrix. The formats (QUANT_TYPES, BLOCK_BYTES) come
+from the C module's one table of formats (kernels/csrc/quant.c); each format's block layout and
+arithmetic are in its file, kernels/csrc/quant_<name>.c. quantize() makes one from float weights
+(the bytes gguf.quants.quantize makes), dequantize() is the float reference, and
+quantized_linear(x, w) = x @ dequantize(w).T in one C call.
 
 quantized_linear quantizes each row of x per block of 32 to int16 (dx = max|x| / 32767) and takes
 exact integer dot products with the weight blocks, scaled by d dx in float: so its result differs
@@ -28,9 +27,9 @@ from . import c_backend
 from .api import _check_tensor
 from .errors import BackendUnavailableError
 
-QUANT_TYPES = tuple(c_backend.BLOCK_FORMATS)  # ("q8_0", "q4_0", "q4_1"); () if never built
+QUANT_TYPES = tuple(c_backend.BLOCK_FORMATS)  # the formats' names; () if never built
 BLOCK_BYTES = {name: size for name, (_, size) in c_backend.BLOCK_FORMATS.items()}
-BLOCK_VALUES = 32  # values per block, along K
+BLOCK_VALUES = c_backend.BLOCK_VALUES  # values per block, along K, in every format
 ISA_PATHS = ("portable", "avx2", "avx512")  # in order; NANOSERVE_ISA caps the choice
 ALIGNMENT = 64  # bytes; where a QuantizedWeight's data starts
 ACTIVATIONS = ("int16",)  # the integers quantized_linear rounds its input to
@@ -40,11 +39,11 @@ ACTIVATIONS = ("int16",)  # the integers quantized_linear rounds its input to
 class QuantizedWeight:
     """A matrix [N, K] = shape of GGUF blocks of `qtype` (one of QUANT_TYPES).
 
-    data: a contiguous uint8 CPU tensor [N, K / 32 * BLOCK_BYTES[qtype]], the GGUF tensor's bytes,
+    data: a contiguous uint8 CPU tensor [N, K / BLOCK_VALUES * BLOCK_BYTES[qtype]], the bytes,
     starting on a 64-byte boundary (ALIGNMENT): a cache line of its own, as torch's allocator
     gives; aligned_bytes() copies data that does not (a view into a GGUF file, say) into a buffer
-    that does. K must be a multiple of 32. Checked on construction; ValueError/TypeError name the
-    field at fault.
+    that does. K must be a multiple of BLOCK_VALUES. Checked on construction; ValueError/TypeError
+    name the field at fault.
     """
 
     data: torch.Tensor
@@ -65,7 +64,8 @@ class QuantizedWeight:
         expected = (shape[0], shape[1] // BLOCK_VALUES * BLOCK_BYTES[self.qtype])
         if tuple(self.data.shape) != expected:
             raise ValueError(
-                f"data must be [N, K / 32 * {BLOCK_BYTES[self.qtype]}] = {list(expected)} for "
+                f"data must be [N, K / {BLOCK_VALUES} * {BLOCK_BYTES[self.qtype]}] = "
+                f"{list(expected)} for "
                 f"{self.qtype} of shape {list(shape)}, got {list(self.data.shape)}"
             )
         if self.data.numel() and self.data.data_ptr() % ALIGNMENT:
@@ -81,7 +81,7 @@ class QuantizedWeight:
 
 
 def _matrix_shape(shape: object) -> tuple[int, int]:
-    """shape as (N, K) of ints, N >= 0 and K a positive multiple of 32."""
+    """shape as (N, K) of ints, N >= 0 and K a positive multiple of BLOCK_VALUES."""
     try:
         n, k = (int(d) for d in shape)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
@@ -122,6 +122,7 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     _check_tensor_2d("weight", weight, "[N, K]")
     if not weight.is_floating_point() or weight.device.type != "cpu":
         raise TypeError(f"weight must be a float CPU tensor, got {weight.dtype} on {weight.device}")
+    _require_c()
     if qtype not in QUANT_TYPES:
         raise ValueError(f"qtype must be one of {QUANT_TYPES}, got {qtype!r}")
     shape = tuple(weight.shape)
@@ -130,7 +131,6 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
             f"weight's K (columns) must be a positive multiple of {BLOCK_VALUES} to quantize to "
             f"{qtype}, got weight of shape {list(shape)}"
         )
-    _require_c()
     weight = weight.to(torch.float32).contiguous()
     out = _aligned_empty((shape[0], shape[1] // BLOCK_VALUES * BLOCK_BYTES[qtype]))
     if weight.numel():

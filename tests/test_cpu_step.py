@@ -74,7 +74,7 @@ def test_c_step_refuses_caches_of_another_dtype(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32")
     step, caches = llm.engine.runner.cpu_step, llm.engine.runner.kv_caches
     with pytest.raises(ValueError, match="KV caches must be"):
-        step._pointers([(k.bfloat16(), v.bfloat16()) for k, v in caches], torch.float32)
+        step.layer_table([(k.bfloat16(), v.bfloat16()) for k, v in caches], torch.float32)
 
 
 def test_c_step_rejects_a_slot_outside_the_cache(tiny_model_dir):
@@ -85,7 +85,7 @@ def test_c_step_rejects_a_slot_outside_the_cache(tiny_model_dir):
     with pytest.raises(ValueError, match="slot_mapping"):
         c_backend.decode_layers(
             torch.zeros(1, model.config.hidden_size),
-            runner.cpu_step._pointers(runner.kv_caches, torch.float32),
+            runner.cpu_step.layer_table(runner.kv_caches, torch.float32),
             torch.tensor([0]),
             bad_slot,
             model.cos,

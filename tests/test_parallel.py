@@ -128,6 +128,34 @@ def test_shard_cuts_every_matrix_keeps_norms_whole_and_a_tied_head_tied():
     assert shard(tensors, c, Parallel()) is tensors
 
 
+def test_the_loader_lists_and_cuts_what_the_description_says_and_refuses_a_wrong_shape():
+    """fuse (model/loader.py) takes each tensor by its Hugging Face names, fuses the parts, and
+    refuses a layer tensor whose shape is not the config's, naming it."""
+    from nanoserve.model.loader import fuse
+    from nanoserve.model.weights import listed
+
+    c = _config(num_layers=1, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(5)
+    raw = {"model.embed_tokens.weight": torch.randn(c.vocab_size, HIDDEN, generator=g),
+           "lm_head.weight": torch.randn(c.vocab_size, HIDDEN, generator=g),
+           "model.norm.weight": torch.ones(HIDDEN)}  # fmt: skip
+    for prefix, _, t in listed(c.num_layers):
+        if t.parts is not None:
+            for name, shape in zip(t.hf, t.parts(c), strict=True):
+                raw[f"{prefix}{name}.weight"] = torch.randn(shape, generator=g)
+    k = raw["model.layers.0.self_attn.k_proj.weight"]
+    tensors = fuse(dict(raw), c)
+    assert [tuple(t.shape) for t in tensors] == [
+        (c.vocab_size, HIDDEN), (c.vocab_size, HIDDEN), (HIDDEN,), (HIDDEN,),
+        ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (HIDDEN,),
+        (2 * c.intermediate_size, HIDDEN), (HIDDEN, c.intermediate_size),
+    ]  # fmt: skip
+    assert torch.equal(tensors[4][HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM], k)
+    raw["model.layers.0.self_attn.k_proj.weight"] = k[:-1]
+    with pytest.raises(ValueError, match=r"0\.self_attn\.k_proj\.weight has shape \[31, 64\]"):
+        fuse(raw, c)
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused_in_one_line(tiny_model_factory):
     with pytest.raises(ValueError) as e:
         check_divisible(_config(num_kv_heads=2), 4)

@@ -22,11 +22,8 @@ from nanoserve.kernels import QuantizedWeight, c_backend, quant
 
 gguf = pytest.importorskip("gguf")
 
-GGML = {
-    "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    "q4_1": gguf.GGMLQuantizationType.Q4_1,
-}
+# gguf's type of each of the kernels' formats, by name: a name gguf does not know fails here.
+GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in kernels.QUANT_TYPES}
 ROWS = [1, 2, 3, 4, 5, 17, 64, 300]
 # (path, VNNI): each runs where the CPU has it; "avx512" without VNNI runs on any AVX-512 CPU.
 PATHS = {
@@ -124,9 +121,9 @@ def _special_blocks(k_blocks: int) -> torch.Tensor:
 
 
 def test_the_block_formats_are_ggufs():
-    """The C module's one table of formats (csrc/quant.h), whence QUANT_TYPES, BLOCK_BYTES and the
+    """The C module's one table of formats (csrc/quant.c), whence QUANT_TYPES, BLOCK_BYTES and the
     qtype codes, against gguf's type ids and block sizes."""
-    assert tuple(GGML) == kernels.QUANT_TYPES
+    assert {"q8_0", "q4_0", "q4_1"} <= set(kernels.QUANT_TYPES)
     for name, (code, size) in c_backend.BLOCK_FORMATS.items():
         assert (code, size) == (GGML[name].value, quant.BLOCK_BYTES[name]), name
         assert gguf.GGML_QUANT_SIZES[GGML[name]] == (quant.BLOCK_VALUES, size), name
@@ -387,7 +384,7 @@ def _errors():
     misaligned = torch.empty(data.numel() + 1, dtype=torch.uint8)[1:].view(data.shape)
     return [
         (lambda: kernels.quantize(torch.randn(4, 48), "q8_0"), ValueError, "weight's K"),
-        (lambda: kernels.quantize(torch.randn(4, 64), "q5_0"), ValueError, "qtype must be"),
+        (lambda: kernels.quantize(torch.randn(4, 64), "q9_9"), ValueError, "qtype must be"),
         (lambda: kernels.quantize(torch.ones(4, 64, dtype=torch.int32), "q8_0"), TypeError,
          "weight must be a float"),
         (lambda: kernels.quantize(torch.randn(64), "q8_0"), ValueError, "weight must be"),
@@ -403,7 +400,7 @@ def _errors():
          r"activations must be one of \('int16',\), got 'int8'"),
         (lambda: c_backend._C.quant_linear(out=0, x=0, w=0, M=0, N=0, K=32, qtype=5,
                                            num_threads=1), ValueError, "qtype code 5"),
-        (lambda: QuantizedWeight(data, "q4_k", (4, 64)), ValueError, "qtype must be"),
+        (lambda: QuantizedWeight(data, "q9_k", (4, 64)), ValueError, "qtype must be"),
         (lambda: QuantizedWeight(data, "q4_0", (4, 48)), ValueError, "shape must be"),
         (lambda: QuantizedWeight(data, "q4_0", (4,)), ValueError, "shape must be"),
         (lambda: QuantizedWeight(data, "q8_0", (4, 64)), ValueError, r"data must be \[N, K"),
@@ -439,7 +436,8 @@ def test_aligned_bytes_copies_only_what_is_not_aligned():
 # ---------------------------------------------------------------- the fused decode step
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK, LAYERS = 64, 4, 2, 16, 96, 4, 2
-# qtypes per layer and matrix (qkv, o, gate_up, down); None: float32.
+# The format of each layer's matrices (qkv, o, gate_up, down); None: float32.
+MATRICES = ("qkv", "o", "gate_up", "down")
 MIX = [("q4_1", "q8_0", "q4_0", None), ("q4_0", None, "q4_1", "q8_0")]
 
 
@@ -460,18 +458,25 @@ def _caches(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) for _ in range(2 * LAYERS)]
 
 
-def _run_step(h, matrices, norms, caches, rows, qtypes=None):
-    """decode_layers on sequences 0..rows-1 (positions 3, 9, 0, 6; 4 blocks each); returns h."""
+def _layers(matrices, norms, caches) -> list[dict]:
+    """layer_table's dicts: the norms and caches as floats, the matrices as given."""
+    return [
+        {
+            "input_norm": (norms[i][0].data_ptr(), 0),
+            "post_norm": (norms[i][1].data_ptr(), 0),
+            **dict(zip(MATRICES, matrices[i], strict=True)),
+            "k_cache": (caches[2 * i].data_ptr(), 0),
+            "v_cache": (caches[2 * i + 1].data_ptr(), 0),
+        }
+        for i in range(LAYERS)
+    ]
+
+
+def _run_step(h, matrices, norms, caches, rows):
+    """decode_layers on sequences 0..rows-1 (positions 3, 9, 0, 6; 4 blocks each); returns h.
+    matrices: per layer, (pointer, format) of qkv, o, gate_up and down."""
     h = h[:rows].clone()
-    table = torch.tensor(
-        [
-            [norms[i][0].data_ptr(), matrices[i][0], matrices[i][1], norms[i][1].data_ptr()]
-            + [matrices[i][2], matrices[i][3]]
-            + [caches[2 * i].data_ptr(), caches[2 * i + 1].data_ptr()]
-            for i in range(LAYERS)
-        ],
-        dtype=torch.uint64,
-    )
+    table = c_backend.layer_table(_layers(matrices, norms, caches))
     positions = torch.tensor([3, 9, 0, 6][:rows])
     tables = torch.arange(16, dtype=torch.int32).view(4, 4)[:rows].contiguous()
     slots = (tables[torch.arange(rows), positions // BLOCK] * BLOCK + positions % BLOCK).long()
@@ -479,29 +484,31 @@ def _run_step(h, matrices, norms, caches, rows, qtypes=None):
     c_backend.decode_layers(
         h, table, positions, slots, angles.cos(), angles.sin(), tables,
         (positions + 1).int(), num_blocks=16, block_size=BLOCK, heads=HEADS, kv_heads=KV_HEADS,
-        intermediate=INTER, eps=1e-5, scale=HEAD_DIM**-0.5, qtypes=qtypes,
+        intermediate=INTER, eps=1e-5, scale=HEAD_DIM**-0.5,
     )  # fmt: skip
     return h
 
 
 def _mixed_model(seed: int):
-    """(norms, pointers to the matrices as MIX has them, pointers to float32 copies of the same
-    values, the qtypes table, the tensors behind the pointers)."""
+    """(norms, (pointer, format) of the matrices as MIX has them, of float32 copies of the same
+    values, the tensors behind the pointers)."""
     layers = _float_layers(seed)
     norms = [layer[:2] for layer in layers]
-    ours, theirs, keep, codes = [], [], [], []
+    ours, theirs, keep = [], [], []
     for layer, mix in zip(layers, MIX, strict=True):
         row_ours, row_theirs = [], []
         for m, q in zip(layer[2:], mix, strict=True):
             blocks = None if q is None else kernels.quantize(m, q)
             values = m if blocks is None else kernels.dequantize(blocks)
-            row_ours.append((values if blocks is None else blocks.data).data_ptr())
-            row_theirs.append(values.data_ptr())
+            if blocks is None:
+                row_ours.append((values.data_ptr(), 0))
+            else:
+                row_ours.append((blocks.data.data_ptr(), c_backend.QTYPE_CODES[q]))
+            row_theirs.append((values.data_ptr(), 0))
             keep += [blocks, values]
         ours.append(row_ours)
         theirs.append(row_theirs)
-        codes.append([0 if q is None else c_backend.QTYPE_CODES[q] for q in mix])
-    return norms, ours, theirs, torch.tensor(codes, dtype=torch.int32), keep
+    return norms, ours, theirs, keep
 
 
 # How far the step on block matrices may land from the float step on their values, relative to
@@ -514,34 +521,37 @@ STEP_TOLERANCE = 2e-4
 def test_decode_step_on_quantized_matrices(isa, rows):
     """Against the float path on the de-quantized matrices (the activations' rounding only); a
     sequence's result bitwise the same alone or in a batch."""
-    norms, ours, theirs, qtypes, _keep = _mixed_model(seed=6)
+    norms, ours, theirs, _keep = _mixed_model(seed=6)
     h = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(8))
-    got = _run_step(h, ours, norms, _caches(9), rows, qtypes)
+    got = _run_step(h, ours, norms, _caches(9), rows)
     expected = _run_step(h, theirs, norms, _caches(9), rows)
     assert (got - expected).abs().max() <= STEP_TOLERANCE * expected.abs().max()
-    alone = _run_step(h, ours, norms, _caches(9), 1, qtypes)
+    alone = _run_step(h, ours, norms, _caches(9), 1)
     assert torch.equal(alone[0], got[0])
 
 
-def test_decode_step_float_path_unchanged_by_an_all_float_table():
-    norms, _, theirs, _, _keep = _mixed_model(seed=6)
-    h = torch.randn(3, HIDDEN)
-    zeros = torch.zeros(LAYERS, 4, dtype=torch.int32)
-    plain = _run_step(h, theirs, norms, _caches(1), 3)
-    assert torch.equal(_run_step(h, theirs, norms, _caches(1), 3, zeros), plain)
-
-
-def test_decode_step_refuses_bad_qtypes():
-    norms, ours, _, qtypes, _keep = _mixed_model(seed=6)
+def test_decode_step_refuses_bad_formats_and_fields():
+    norms, ours, _, _keep = _mixed_model(seed=6)
     h = torch.randn(1, HIDDEN)
-    bad = qtypes.clone()
-    bad[1, 1] = 5
-    with pytest.raises(ValueError, match=r"qtypes\[1, 1\] = 5 \(o\) is no GGUF block format"):
-        _run_step(h, ours, norms, _caches(1), 1, bad)
-    with pytest.raises(ValueError, match="qtypes must be a contiguous CPU int32 tensor"):
-        _run_step(h, ours, norms, _caches(1), 1, qtypes[:1])
-    with pytest.raises(ValueError, match=r"qtypes\[0, 0\] = 3 \(qkv\) needs float32"):
-        _run_step(h.bfloat16(), ours, norms, _caches(1), 1, qtypes)
+    caches = _caches(1)
+    bad = [list(row) for row in ours]
+    bad[1][1] = (bad[1][1][0], 5)
+    with pytest.raises(ValueError, match=r"layers\[1\]\.o: format 5, but no GGUF block format"):
+        _run_step(h, bad, norms, caches, 1)
+    layers = _layers(ours, norms, caches)
+    layers[0]["input_norm"] = (norms[0][0].data_ptr(), 3)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.input_norm: .* never in GGUF blocks"):
+        c_backend.layer_table(layers)
+    layers = _layers(ours, norms, caches)
+    del layers[1]["down"]
+    with pytest.raises(ValueError, match=r"layers\[1\] has no down"):
+        c_backend.layer_table(layers)
+    layers = _layers(ours, norms, caches)
+    layers[0]["bias"] = (0, 0)
+    with pytest.raises(ValueError, match=r"layers\[0\] has 9 fields; .* layer_weights has 8"):
+        c_backend.layer_table(layers)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv is in GGUF blocks \(format 3\), which"):
+        _run_step(h.bfloat16(), ours, norms, caches, 1)
 
 
 # ---------------------------------------------------------------- SmolLM2-135M end to end

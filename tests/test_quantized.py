@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineConfig
+from nanoserve.config import QUANTIZATIONS, EngineConfig
 from nanoserve.default_model import default_model_path
 from nanoserve.engine.model_runner import resolve_dtype
-from nanoserve.kernels import QuantizedWeight
+from nanoserve.kernels import QUANT_TYPES, QuantizedWeight
 from nanoserve.model.checkpoint import open_checkpoint
 from nanoserve.model.gguf_file import GGUFCheckpoint
 from nanoserve.model.quantized import QuantLinear
+from nanoserve.model.weights import LAYER, matrices
 from nanoserve.testing.gguf_writer import write_gguf
 
 SMOLLM = default_model_path()
@@ -26,15 +27,15 @@ PROMPTS = [{"prompt_token_ids": list(range(7 + 3 * i, 40 + 11 * i))} for i in ra
 
 def _weights(llm: LLM) -> list:
     w = llm.engine.runner.model.weights
-    matrices = [m for x in w.layers for m in (x.qkv, x.o, x.gate_up, x.down)]
-    return [*matrices, w.lm_head]
+    return [*(m for x in w.layers for m in matrices(x)), w.lm_head]
 
 
 def _held_bytes(llm: LLM) -> int:
     """Bytes of every weight the model holds (blocks, floats, oneDNN's packed copies)."""
     w = llm.engine.runner.model.weights
     seen: dict[int, int] = {}
-    for m in [*_weights(llm), *(x for y in w.layers for x in (y.input_norm, y.post_norm))]:
+    norms = [getattr(y, name) for y in w.layers for name, t in LAYER if t.kind == "norm"]
+    for m in [*_weights(llm), *norms]:
         for t in (getattr(m, "weight", m), getattr(m, "packed", None)):
             t = t.data if isinstance(t, QuantizedWeight) else t
             if isinstance(t, torch.Tensor):  # oneDNN's packed copies have no data_ptr()
@@ -135,3 +136,8 @@ def test_quantization_needs_float32_on_a_cpu(tiny_model_dir):
         LLM(str(tiny_model_dir), quantization="q8_0", dtype="bfloat16")
     with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0"):
         EngineConfig(quantization="q2_k")
+
+
+def test_the_settings_offer_the_kernels_formats():
+    """config.py, which imports no torch, lists the C kernels' formats itself: the same ones."""
+    assert ("auto", "none", *QUANT_TYPES) == QUANTIZATIONS

@@ -7,34 +7,74 @@
  * millisecond a step, next to ~3 ms of weight reading. SwiGLU and the residual adds are the only
  * arithmetic of its own; each result is rounded to the model dtype where torch would round it.
  *
- * Layer weights come as a table of pointers, one row per layer: input norm, qkv, o, post norm,
- * gate_up, down, k cache, v cache. Positions, slots and block tables are checked here; the
- * tensors' types and shapes are checked by the caller (src/nanoserve/model/cpu_step.py).
+ * Each layer comes as a struct layer_weights, its weights by name (the fields of
+ * src/nanoserve/model/weights.py's LayerWeights) and its KV cache, filled once by layer_table from
+ * a dict per layer. Positions, slots and block tables are checked here; the tensors' types and
+ * shapes are checked by the caller (src/nanoserve/model/cpu_step.py, model/loader.py).
  *
- * With float32 activations each of qkv, o, gate_up and down may instead be a matrix of GGUF blocks
- * (quant.c, whose matmuls quantize their input to int16), as an optional table of codes says, one
- * row per layer: 0 for a float matrix of the step's dtype, else the GGML type id. Rows of blocks
- * concatenate like rows of floats, so the fused qkv and gate_up matrices are the
- * row-concatenations of their parts' blocks.
+ * With float32 activations each matrix may instead be in GGUF blocks (quant.c, whose matmuls
+ * quantize their input to int16), as its format says: 0 for floats of the step's dtype, else the
+ * GGML type id. Rows of blocks concatenate like rows of floats, so the fused qkv and gate_up
+ * matrices are the row-concatenations of their parts' blocks.
  */
 #include "nanoserve.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { W_INPUT_NORM, W_QKV, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, K_CACHE, V_CACHE, PER_LAYER };
-/* The columns of the qtypes table: the matrices that may be GGUF block matrices. */
-enum { Q_QKV, Q_O, Q_GATE_UP, Q_DOWN, QUANT_PER_LAYER };
+/* A tensor the step reads: its data, and how it is stored: 0, floats of the step's dtype; else
+ * (a matrix only) the GGML type id of its GGUF blocks. */
+typedef struct {
+    const void *data;
+    int format;
+} step_tensor;
+
+/* One decoder layer: its weights, field for field model/weights.py's LayerWeights, and its KV
+ * cache, k_cache and v_cache [num_blocks, kv_heads, block_size, head_dim] of the step's dtype. */
+typedef struct {
+    step_tensor input_norm, qkv, o, post_norm, gate_up, down;
+    step_tensor k_cache, v_cache;
+} layer_weights;
+
+/* The fields by the names Python gives them; blocks: whether it may be in GGUF blocks. */
+static const struct {
+    const char *name;
+    size_t offset;
+    int blocks;
+} FIELDS[] = {
+    {"input_norm", offsetof(layer_weights, input_norm), 0},
+    {"qkv", offsetof(layer_weights, qkv), 1},
+    {"o", offsetof(layer_weights, o), 1},
+    {"post_norm", offsetof(layer_weights, post_norm), 0},
+    {"gate_up", offsetof(layer_weights, gate_up), 1},
+    {"down", offsetof(layer_weights, down), 1},
+    {"k_cache", offsetof(layer_weights, k_cache), 0},
+    {"v_cache", offsetof(layer_weights, v_cache), 0},
+};
+enum { NUM_FIELDS = sizeof FIELDS / sizeof FIELDS[0] };
+_Static_assert(sizeof(layer_weights) == NUM_FIELDS * sizeof(step_tensor), "a row per field");
+
+/* Field f of layer w. */
+static step_tensor *field_of(layer_weights *w, int f) {
+    return (step_tensor *)((char *)w + FIELDS[f].offset);
+}
+
+/* What layer_table returns, in a capsule of this name. */
+static const char *const TABLE_NAME = "nanoserve.layer_table";
+typedef struct {
+    Py_ssize_t num_layers;
+    layer_weights layers[];
+} layer_table;
 
 typedef struct {
     void *h; /* [rows, hidden], updated in place */
-    const uint64_t *layers; /* [num_layers, PER_LAYER] pointers */
-    const int32_t *qtypes;  /* [num_layers, QUANT_PER_LAYER] codes, or NULL: all float */
+    layer_table *table;
     const int64_t *positions, *slots;
     const void *cos, *sin;
     decode_args attn; /* out, q, caches set per layer */
-    Py_ssize_t num_layers, rows, hidden, heads, kv_heads, head_dim, intermediate;
+    Py_ssize_t rows, hidden, heads, kv_heads, head_dim, intermediate;
     float eps;
     int dtype, threads;
 } step_args;
@@ -46,19 +86,13 @@ typedef struct {
     char *x, *o, *qkv, *q, *attn, *gate_up, *act;
 } step_scratch;
 
-/* Pointer i of a layer's row of the weight table. */
-static inline const void *weight(const uint64_t *w, int i) { return (const void *)(uintptr_t)w[i]; }
-
-/* out [rows, N] = x [rows, K] times the transpose of matrix `which` (Q_*) of layer w: the float
- * GEMV, or the quantized matmul where the layer's qtypes say so. */
-static int matmul(const step_args *s, const uint64_t *w, int which, void *out, const void *x,
-                  Py_ssize_t N, Py_ssize_t K) {
-    static const int column[QUANT_PER_LAYER] = {W_QKV, W_O, W_GATE_UP, W_DOWN};
-    const Py_ssize_t layer = (w - s->layers) / PER_LAYER;
-    const int qtype = s->qtypes ? s->qtypes[layer * QUANT_PER_LAYER + which] : 0;
-    const void *m = weight(w, column[which]);
-    if (qtype) return nanoserve_quant_matmul(out, x, m, s->rows, N, K, qtype, s->threads);
-    return nanoserve_gemv(out, x, m, s->rows, N, K, s->dtype, s->threads);
+/* out [rows, N] = x [rows, K] times the transpose of matrix m: the float GEMV, or the quantized
+ * matmul where m is in GGUF blocks. */
+static int matmul(const step_args *s, const step_tensor *m, void *out, const void *x, Py_ssize_t N,
+                  Py_ssize_t K) {
+    if (m->format)
+        return nanoserve_quant_matmul(out, x, m->data, s->rows, N, K, m->format, s->threads);
+    return nanoserve_gemv(out, x, m->data, s->rows, N, K, s->dtype, s->threads);
 }
 
 /* h[i] = h[i] + add[i], rounded like torch's add. */
@@ -114,17 +148,16 @@ static void split_qkv(const step_args *s, const step_scratch *b, const kv_cache 
 }
 
 /* The attention half of layer w: h += o_proj(attention(rope(qkv_proj(input_norm(h))))). */
-static int attention_half(const step_args *s, const step_scratch *b, const uint64_t *w) {
+static int attention_half(const step_args *s, const step_scratch *b, const layer_weights *w) {
     const Py_ssize_t M = s->rows, H = s->hidden, D = s->head_dim, q_width = s->heads * D;
     const Py_ssize_t qkv_width = q_width + 2 * s->kv_heads * D;
     int rc = 0;
-    nanoserve_rms_norm_rows(b->x, s->h, weight(w, W_INPUT_NORM), M, H, s->eps, s->dtype,
-                            s->threads);
-    rc |= matmul(s, w, Q_QKV, b->qkv, b->x, qkv_width, H);
+    nanoserve_rms_norm_rows(b->x, s->h, w->input_norm.data, M, H, s->eps, s->dtype, s->threads);
+    rc |= matmul(s, &w->qkv, b->qkv, b->x, qkv_width, H);
     nanoserve_rope_rows(b->qkv, s->positions, s->cos, s->sin, M, s->heads + s->kv_heads, D,
                         qkv_width, s->dtype, s->threads);
     decode_args a = s->attn;
-    const kv_cache c = {(char *)(uintptr_t)w[K_CACHE], (char *)(uintptr_t)w[V_CACHE], s->kv_heads,
+    const kv_cache c = {(char *)w->k_cache.data, (char *)w->v_cache.data, s->kv_heads,
                         a.block_size, (size_t)D * ns_dtype_size(s->dtype)};
     split_qkv(s, b, &c);
     a.out = b->attn;
@@ -132,20 +165,19 @@ static int attention_half(const step_args *s, const step_scratch *b, const uint6
     a.k = c.k_cache;
     a.v = c.v_cache;
     rc |= nanoserve_decode_attention(&a, s->threads);
-    rc |= matmul(s, w, Q_O, b->o, b->attn, H, q_width);
+    rc |= matmul(s, &w->o, b->o, b->attn, H, q_width);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }
 
 /* The MLP half of layer w: h += down(silu(gate) * up) of gate_up(post_norm(h)). */
-static int mlp_half(const step_args *s, const step_scratch *b, const uint64_t *w) {
+static int mlp_half(const step_args *s, const step_scratch *b, const layer_weights *w) {
     const Py_ssize_t M = s->rows, H = s->hidden, I = s->intermediate;
     int rc = 0;
-    nanoserve_rms_norm_rows(b->x, s->h, weight(w, W_POST_NORM), M, H, s->eps, s->dtype,
-                            s->threads);
-    rc |= matmul(s, w, Q_GATE_UP, b->gate_up, b->x, 2 * I, H);
+    nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
+    rc |= matmul(s, &w->gate_up, b->gate_up, b->x, 2 * I, H);
     silu_mul(b->act, b->gate_up, M, I, s->dtype);
-    rc |= matmul(s, w, Q_DOWN, b->o, b->act, H, I);
+    rc |= matmul(s, &w->down, b->o, b->act, H, I);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }
@@ -156,8 +188,8 @@ static int run_layers(const step_args *s) {
     char *base = scratch_alloc(s, &b);
     if (!base) return -1;
     int rc = 0;
-    for (Py_ssize_t l = 0; l < s->num_layers && rc == 0; l++) {
-        const uint64_t *w = s->layers + l * PER_LAYER;
+    for (Py_ssize_t l = 0; l < s->table->num_layers && rc == 0; l++) {
+        const layer_weights *w = &s->table->layers[l];
         rc |= attention_half(s, &b, w);
         rc |= mlp_half(s, &b, w);
     }
@@ -168,23 +200,26 @@ static int run_layers(const step_args *s) {
 /* Parses decode_layers' arguments into s; 0, or -1 with a Python error set. */
 static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
                            Py_ssize_t *table_rows) {
-    static char *kwlist[] = {"h", "layers", "num_layers", "positions", "slots", "cos", "sin",
-                             "table_rows", "block_tables", "context_lens", "max_blocks_per_seq",
-                             "block_size", "num_blocks", "rows", "hidden", "heads", "kv_heads",
-                             "head_dim", "intermediate", "eps", "scale", "dtype_code",
-                             "num_threads", "qtypes", NULL};
-    unsigned long long h, layers, positions, slots, cos, sin, tables, lens, qtypes = 0;
+    static char *kwlist[] = {"h", "layers", "positions", "slots", "cos", "sin", "table_rows",
+                             "block_tables", "context_lens", "max_blocks_per_seq", "block_size",
+                             "num_blocks", "rows", "hidden", "heads", "kv_heads", "head_dim",
+                             "intermediate", "eps", "scale", "dtype_code", "num_threads", NULL};
+    unsigned long long h, positions, slots, cos, sin, tables, lens;
+    PyObject *layers;
     decode_args *a = &s->attn;
     double scale;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "KKnKKKKnKKnnnnnnnnnfdii|K", kwlist, &h, &layers, &s->num_layers,
-            &positions, &slots, &cos, &sin, table_rows, &tables, &lens, &a->max_blocks_per_seq,
-            &a->block_size, &a->num_blocks, &s->rows, &s->hidden, &s->heads, &s->kv_heads,
-            &s->head_dim, &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads, &qtypes))
+            args, kwargs, "KOKKKKnKKnnnnnnnnnfdii", kwlist, &h, &layers, &positions, &slots, &cos,
+            &sin, table_rows, &tables, &lens, &a->max_blocks_per_seq, &a->block_size,
+            &a->num_blocks, &s->rows, &s->hidden, &s->heads, &s->kv_heads, &s->head_dim,
+            &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads))
         return -1;
-    s->qtypes = (const int32_t *)(uintptr_t)qtypes;
+    if (!PyCapsule_IsValid(layers, TABLE_NAME)) {
+        PyErr_SetString(PyExc_TypeError, "decode_layers: layers must be what layer_table returns");
+        return -1;
+    }
+    s->table = PyCapsule_GetPointer(layers, TABLE_NAME);
     s->h = (void *)(uintptr_t)h;
-    s->layers = (const uint64_t *)(uintptr_t)layers;
     s->positions = (const int64_t *)(uintptr_t)positions;
     s->slots = (const int64_t *)(uintptr_t)slots;
     s->cos = (const void *)(uintptr_t)cos;
@@ -206,51 +241,27 @@ static int check_sizes(const step_args *s) {
     if (s->rows < 1 || s->rows > NS_GEMV_ROWS || (s->dtype != NS_F32 && s->dtype != NS_BF16) ||
         s->hidden < 1 || s->heads < 1 || s->kv_heads < 1 || s->heads % s->kv_heads ||
         s->head_dim < 2 || s->head_dim % 2 || s->intermediate < 1 || a->block_size < 1 ||
-        a->num_blocks < 1 || a->max_blocks_per_seq < 1 || s->threads < 1 || s->num_layers < 0) {
+        a->num_blocks < 1 || a->max_blocks_per_seq < 1 || s->threads < 1) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: inconsistent sizes or dtype code");
         return -1;
     }
     return 0;
 }
 
-/* 0, or -1 with a ValueError set when a qtypes code is no format, or a quantized matrix comes
- * with bfloat16 activations or a K that is no multiple of 32. */
-static int check_qtypes(const step_args *s) {
-    static const char *const names[QUANT_PER_LAYER] = {"qkv", "o", "gate_up", "down"};
-    const Py_ssize_t K[QUANT_PER_LAYER] = {s->hidden, s->heads * s->head_dim, s->hidden,
-                                           s->intermediate};
-    for (Py_ssize_t i = 0; s->qtypes && i < s->num_layers * QUANT_PER_LAYER; i++) {
-        const int q = s->qtypes[i], which = (int)(i % QUANT_PER_LAYER);
-        if (q == 0) continue;
-        const char *why = !nanoserve_block_bytes(q) ? "is no GGUF block format (_C.BLOCK_FORMATS)"
-                          : s->dtype != NS_F32        ? "needs float32 activations"
-                          : K[which] % 32             ? "needs K, its columns, a multiple of 32"
-                                                      : NULL;
-        if (why) {
-            PyErr_Format(PyExc_ValueError, "qtypes[%zd, %d] = %d (%s) %s", i / QUANT_PER_LAYER,
-                         which, q, names[which], why);
-            return -1;
+/* 0, or -1 with a ValueError set when a tensor in GGUF blocks comes with bfloat16 activations
+ * (the quantized matmuls take float32). */
+static int check_formats(const step_args *s) {
+    for (Py_ssize_t l = 0; s->dtype != NS_F32 && l < s->table->num_layers; l++)
+        for (int f = 0; f < NUM_FIELDS; f++) {
+            const int format = field_of(&s->table->layers[l], f)->format;
+            if (format) {
+                PyErr_Format(PyExc_ValueError,
+                             "layers[%zd].%s is in GGUF blocks (format %d), which need float32 "
+                             "activations",
+                             l, FIELDS[f].name, format);
+                return -1;
+            }
         }
-    }
-    return 0;
-}
-
-/* 0, or -1 with a ValueError set when a row's position is outside the cos/sin tables or its slot
- * past the cache. */
-static int check_rows(const step_args *s, Py_ssize_t table_rows) {
-    const int64_t num_slots = (int64_t)s->attn.num_blocks * s->attn.block_size;
-    for (Py_ssize_t r = 0; r < s->rows; r++) {
-        if (s->positions[r] < 0 || s->positions[r] >= table_rows) {
-            PyErr_Format(PyExc_ValueError, "positions[%zd] = %lld is outside [0, %zd)", r,
-                         (long long)s->positions[r], table_rows);
-            return -1;
-        }
-        if (s->slots[r] >= num_slots) {
-            PyErr_Format(PyExc_ValueError, "slot_mapping[%zd] = %lld is outside [0, %lld)", r,
-                         (long long)s->slots[r], (long long)num_slots);
-            return -1;
-        }
-    }
     return 0;
 }
 
@@ -259,7 +270,9 @@ PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *k
     step_args s;
     Py_ssize_t table_rows;
     if (parse_step_args(args, kwargs, &s, &table_rows) < 0 || check_sizes(&s) < 0 ||
-        check_qtypes(&s) < 0 || check_rows(&s, table_rows) < 0 ||
+        check_formats(&s) < 0 || nanoserve_check_positions(s.positions, s.rows, table_rows) < 0 ||
+        nanoserve_check_slots(s.slots, s.rows, 1,
+                              (int64_t)s.attn.num_blocks * s.attn.block_size) < 0 ||
         nanoserve_check_tables(&s.attn) < 0)
         return NULL;
     int rc;
@@ -268,4 +281,72 @@ PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *k
     Py_END_ALLOW_THREADS;
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- the table of layers */
+
+/* Field f of layer i from its (pointer, format) tuple; 0, or -1 with an error set. */
+static int fill_field(layer_weights *w, int f, PyObject *value, Py_ssize_t i) {
+    unsigned long long data;
+    int format;
+    if (!PyTuple_Check(value) || !PyArg_ParseTuple(value, "Ki", &data, &format)) {
+        PyErr_Format(PyExc_TypeError, "layers[%zd][\"%s\"] must be a tuple (pointer, format)", i,
+                     FIELDS[f].name);
+        return -1;
+    }
+    const char *why = format == 0                       ? NULL
+                      : !FIELDS[f].blocks               ? "it is never in GGUF blocks"
+                      : !nanoserve_block_bytes(format) ? "no GGUF block format (_C.BLOCK_FORMATS)"
+                                                        : NULL;
+    if (why) {
+        PyErr_Format(PyExc_ValueError, "layers[%zd].%s: format %d, but %s", i, FIELDS[f].name,
+                     format, why);
+        return -1;
+    }
+    *field_of(w, f) = (step_tensor){(const void *)(uintptr_t)data, format};
+    return 0;
+}
+
+/* Layer i from its dict {field: (pointer, format)}, every field named once; 0, or -1. */
+static int fill_layer(layer_weights *w, PyObject *layer, Py_ssize_t i) {
+    if (!PyDict_Check(layer)) {
+        PyErr_Format(PyExc_TypeError, "layers[%zd] must be a dict {field: (pointer, format)}", i);
+        return -1;
+    }
+    for (int f = 0; f < NUM_FIELDS; f++) {
+        PyObject *value = PyDict_GetItemString(layer, FIELDS[f].name);
+        if (!value) {
+            PyErr_Format(PyExc_ValueError, "layers[%zd] has no %s", i, FIELDS[f].name);
+            return -1;
+        }
+        if (fill_field(w, f, value, i) < 0) return -1;
+    }
+    if (PyDict_Size(layer) != NUM_FIELDS) {
+        PyErr_Format(PyExc_ValueError,
+                     "layers[%zd] has %zd fields; the C step's layer_weights has %d: %R", i,
+                     PyDict_Size(layer), (int)NUM_FIELDS, layer);
+        return -1;
+    }
+    return 0;
+}
+
+static void free_table(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, TABLE_NAME)); }
+
+PyObject *nanoserve_py_layer_table(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *kwlist[] = {"layers", NULL};
+    PyObject *list;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", kwlist, &PyList_Type, &list)) return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    layer_table *t = malloc(sizeof *t + (size_t)n * sizeof(layer_weights));
+    if (!t) return PyErr_NoMemory();
+    t->num_layers = n;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (fill_layer(&t->layers[i], PyList_GET_ITEM(list, i), i) < 0) {
+            free(t);
+            return NULL;
+        }
+    PyObject *capsule = PyCapsule_New(t, TABLE_NAME, free_table);
+    if (!capsule) free(t);
+    return capsule;
 }

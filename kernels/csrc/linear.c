@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { LANES = 32 };
+enum { GEMV_LANES = 32 };
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
@@ -56,7 +56,7 @@ static ALWAYS_INLINE void rows_range(const float *restrict x, const char *restri
 #pragma GCC unroll 4
         for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = (v16f){0};
         Py_ssize_t i = 0;
-        for (; i + LANES <= K; i += LANES) {
+        for (; i + GEMV_LANES <= K; i += GEMV_LANES) {
             const v16f w0 = load16(row, i, dtype), w1 = load16(row, i + 16, dtype);
 #pragma GCC unroll 4
             for (int m = 0; m < M; m++) {
@@ -68,11 +68,11 @@ static ALWAYS_INLINE void rows_range(const float *restrict x, const char *restri
             }
         }
         for (int m = 0; m < M; m++) {
-            float part[LANES];
+            float part[GEMV_LANES];
             memcpy(part, &acc[m][0], sizeof acc[m][0]);
             memcpy(part + 16, &acc[m][1], sizeof acc[m][1]);
             for (int l = 0; i + l < K; l++) part[l] += x[m * K + i + l] * elem1(row, i + l, dtype);
-            for (int width = LANES / 2; width > 0; width /= 2)
+            for (int width = GEMV_LANES / 2; width > 0; width /= 2)
                 for (int l = 0; l < width; l++) part[l] += part[l + width];
             const size_t o = (size_t)m * (size_t)N + (size_t)n;
             if (dtype == NS_BF16)

@@ -2,7 +2,7 @@
  * their kernels (paged_attention.c, linear.c, norm_rope.c, decode_step.c, quant.c,
  * quant_convert.c); each takes its arguments by keyword (kernels/c_backend.py names every one),
  * pointers as ints. */
-#include "nanoserve.h"
+#include "quant.h"
 
 #include <omp.h>
 
@@ -33,12 +33,25 @@ static PyMethodDef methods[] = {
      "rope(qk, positions, cos, sin, rows, heads, head_dim, row_stride, table_rows, dtype_code, "
      "num_threads): rotary embedding in place; positions int64."},
     {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
-     "decode_layers(h, layers, num_layers, positions, slots, cos, sin, table_rows, block_tables, "
+     "decode_layers(h, layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
-     "head_dim, intermediate, eps, scale, dtype_code, num_threads, qtypes=0): a decode step of "
-     "up to GEMV_ROWS rows through every layer, h updated in place; pointers as ints. qtypes: an "
-     "int32 [num_layers, 4] table (qkv, o, gate_up, down) of GGML type ids of GGUF block "
-     "matrices (BLOCK_FORMATS), 0 for float ones (float32 activations only), or 0 for none."},
+     "head_dim, intermediate, eps, scale, dtype_code, num_threads): a decode step of up to "
+     "GEMV_ROWS rows through every layer, h updated in place; layers: what layer_table returns; "
+     "pointers as ints."},
+    {"layer_table", KW_FUNCTION(nanoserve_py_layer_table), METH_VARARGS | METH_KEYWORDS,
+     "layer_table(layers): decode_layers' layers from a list of dicts, one a layer, {field: "
+     "(pointer, format)} for every field of the C step's struct layer_weights (its weights and "
+     "KV cache, by name); format 0 for floats of the step's dtype, else (a matrix only, with "
+     "float32 activations) the GGML type id of its GGUF blocks (BLOCK_FORMATS)."},
+    {"check_tables", KW_FUNCTION(nanoserve_py_check_tables), METH_VARARGS | METH_KEYWORDS,
+     "check_tables(block_tables, context_lens, num_seqs, max_blocks_per_seq, block_size, "
+     "num_blocks): paged attention's check of its int32 tables; ValueError names an entry."},
+    {"check_slots", KW_FUNCTION(nanoserve_py_check_slots), METH_VARARGS | METH_KEYWORDS,
+     "check_slots(slot_mapping, num_tokens, slots_are_int64, num_slots): the KV store's check of "
+     "its slots; ValueError names one past the cache."},
+    {"check_positions", KW_FUNCTION(nanoserve_py_check_positions), METH_VARARGS | METH_KEYWORDS,
+     "check_positions(positions, num_positions, table_rows): RoPE's check of its int64 "
+     "positions; ValueError names one outside the tables."},
     {"quant_linear", KW_FUNCTION(nanoserve_py_quant_linear), METH_VARARGS | METH_KEYWORDS,
      "quant_linear(out, x, w, M, N, K, qtype, num_threads): out [M, N] float32 = x [M, K] "
      "float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (BLOCK_FORMATS), "
@@ -67,8 +80,8 @@ static struct PyModuleDef module = {
     "_C",
     "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE, the one-call decode step and "
     "matmuls on GGUF block weights; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and "
-    "decode_layers take; BLOCK_FORMATS: {name: (GGML type id, bytes of a block of 32 values)} of "
-    "the block formats.",
+    "decode_layers take; BLOCK_FORMATS: {name: (GGML type id, bytes of a block)} of the block "
+    "formats, whose blocks hold BLOCK_VALUES values.",
     -1,
     methods,
     NULL,
@@ -80,6 +93,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__C(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "GEMV_ROWS", NS_GEMV_ROWS) < 0) Py_CLEAR(m);
+    if (m && PyModule_AddIntConstant(m, "BLOCK_VALUES", QK) < 0) Py_CLEAR(m);
     PyObject *formats = m ? nanoserve_block_formats() : NULL;
     if (m && (!formats || PyModule_AddObjectRef(m, "BLOCK_FORMATS", formats) < 0)) Py_CLEAR(m);
     Py_XDECREF(formats);

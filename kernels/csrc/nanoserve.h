@@ -124,8 +124,18 @@ typedef struct {
 
 /* 0, or -1 when a thread could not allocate its scratch. */
 int nanoserve_decode_attention(const decode_args *a, int num_threads);
-/* 0, or -1 with a Python ValueError set (call with the GIL held). */
+
+/* The value checks of the kernels' index tables, each in one place (here in C: the C paths run
+ * them at C speed, and kernels/api.py runs the same ones for the torch and Triton paths on CPU
+ * tensors). Each returns 0, or -1 with a ValueError set naming the first entry at fault (call
+ * with the GIL held). */
+/* paged_attention.c: context_lens in [1, max_blocks_per_seq * block_size], and the block_tables
+ * entries they use in [0, num_blocks). */
 int nanoserve_check_tables(const decode_args *a);
+/* paged_attention.c: slots below num_slots (negative ones, padding rows, are skipped). */
+int nanoserve_check_slots(const void *slots, Py_ssize_t n, int slots_are_int64, int64_t num_slots);
+/* norm_rope.c: positions in [0, table_rows), the rows of the cos/sin tables. */
+int nanoserve_check_positions(const int64_t *positions, Py_ssize_t n, Py_ssize_t table_rows);
 
 /* A layer's KV cache: k_cache and v_cache [num_blocks, num_kv_heads, block_size, head_dim], rows
  * of row_bytes (head_dim elements). */
@@ -156,7 +166,7 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
                    Py_ssize_t K, int dtype, int num_threads);
 
 /* quant.c: out [M, N] float32 = x [M, K] float32 times the transpose of w [N, K], a matrix of
- * GGUF blocks of GGML type qtype (a code of quant.h's NS_BLOCK_FORMATS); K a multiple of 32; x
+ * GGUF blocks of GGML type qtype (a code of quant.c's table of formats); K a multiple of 32; x
  * quantized per block of 32 to int16. Each out[m, n] depends on row m of x and row n of w only
  * (bitwise, whatever M, the other rows or the thread count). 0, or -1 when out of memory. */
 int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
@@ -178,6 +188,10 @@ PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kw
 PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rope(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_layer_table(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_check_tables(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_check_slots(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_check_positions(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_dequantize(PyObject *self, PyObject *args, PyObject *kwargs);

@@ -94,6 +94,27 @@ void nanoserve_rope_rows(void *qk, const int64_t *positions, const void *cos, co
                   num_threads);
 }
 
+int nanoserve_check_positions(const int64_t *positions, Py_ssize_t n, Py_ssize_t table_rows) {
+    for (Py_ssize_t t = 0; t < n; t++)
+        if (positions[t] < 0 || positions[t] >= table_rows) {
+            PyErr_Format(PyExc_ValueError, "positions[%zd] = %lld is outside [0, %zd)", t,
+                         (long long)positions[t], table_rows);
+            return -1;
+        }
+    return 0;
+}
+
+PyObject *nanoserve_py_check_positions(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *kwlist[] = {"positions", "num_positions", "table_rows", NULL};
+    unsigned long long positions;
+    Py_ssize_t n, table_rows;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Knn", kwlist, &positions, &n, &table_rows) ||
+        nanoserve_check_positions((const int64_t *)(uintptr_t)positions, n, table_rows) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *kwlist[] = {"out", "x", "w", "rows", "hidden", "eps", "dtype_code", "num_threads",
@@ -124,12 +145,7 @@ PyObject *nanoserve_py_rope(PyObject *self, PyObject *args, PyObject *kwargs) {
                                      &dtype, &threads))
         return NULL;
     const int64_t *pos = (const int64_t *)(uintptr_t)positions;
-    for (Py_ssize_t t = 0; t < rows; t++)
-        if (pos[t] < 0 || pos[t] >= table_rows) {
-            PyErr_Format(PyExc_ValueError, "positions[%zd] = %lld is outside [0, %zd)", t,
-                         (long long)pos[t], table_rows);
-            return NULL;
-        }
+    if (nanoserve_check_positions(pos, rows, table_rows) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS;
     nanoserve_rope_rows((void *)(uintptr_t)qk, pos, (const void *)(uintptr_t)cos,
                         (const void *)(uintptr_t)sin, rows, heads, head_dim, row_stride, dtype,

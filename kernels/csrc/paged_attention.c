@@ -97,25 +97,25 @@ static float *scratch_alloc(const decode_args *a, scratch *s) {
 /* The loops below are written for gcc's vectoriser without -ffast-math: a float reduction such as
  * `for (...) sum += x[i]` is summed in order, one lane after the other. Instead each reduction
  * keeps 16 independent partial results (one vector register) and combines them pairwise. */
-#define LANES 16
+#define ATTN_LANES 16
 
 static inline float dot(const float *restrict a, const char *restrict b, Py_ssize_t n, int dtype) {
-    float part[LANES] = {0};
+    float part[ATTN_LANES] = {0};
     Py_ssize_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) part[l] += a[i + l] * elem(b, i + l, dtype);
-    for (int l = 0; l < LANES && i + l < n; l++) part[l] += a[i + l] * elem(b, i + l, dtype);
+    for (; i + ATTN_LANES <= n; i += ATTN_LANES)
+        for (int l = 0; l < ATTN_LANES; l++) part[l] += a[i + l] * elem(b, i + l, dtype);
+    for (int l = 0; l < ATTN_LANES && i + l < n; l++) part[l] += a[i + l] * elem(b, i + l, dtype);
     for (int l = 0; l < 8; l++) part[l] += part[l + 8];
     for (int l = 0; l < 4; l++) part[l] += part[l + 4];
     return (part[0] + part[2]) + (part[1] + part[3]);
 }
 
 static inline float max_of(const float *restrict x, Py_ssize_t n) {
-    float part[LANES];
-    for (int l = 0; l < LANES; l++) part[l] = x[0];
+    float part[ATTN_LANES];
+    for (int l = 0; l < ATTN_LANES; l++) part[l] = x[0];
     Py_ssize_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) part[l] = x[i + l] > part[l] ? x[i + l] : part[l];
+    for (; i + ATTN_LANES <= n; i += ATTN_LANES)
+        for (int l = 0; l < ATTN_LANES; l++) part[l] = x[i + l] > part[l] ? x[i + l] : part[l];
     for (; i < n; i++) part[0] = x[i] > part[0] ? x[i] : part[0];
     for (int l = 0; l < 8; l++) part[l] = part[l + 8] > part[l] ? part[l + 8] : part[l];
     for (int l = 0; l < 4; l++) part[l] = part[l + 4] > part[l] ? part[l + 4] : part[l];
@@ -125,10 +125,10 @@ static inline float max_of(const float *restrict x, Py_ssize_t n) {
 
 /* x[t] = exp(x[t] - shift); returns the sum. */
 static inline float exp_sum(float *restrict x, float shift, Py_ssize_t n) {
-    float part[LANES] = {0};
+    float part[ATTN_LANES] = {0};
     Py_ssize_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) {
+    for (; i + ATTN_LANES <= n; i += ATTN_LANES)
+        for (int l = 0; l < ATTN_LANES; l++) {
             x[i + l] = exp_nonpos(x[i + l] - shift);
             part[l] += x[i + l];
         }
@@ -148,31 +148,31 @@ static inline void accumulate(float *restrict acc, const float *restrict p,
                               const char *restrict v, Py_ssize_t n, Py_ssize_t d, int dtype) {
     const size_t es = ns_dtype_size(dtype);
     Py_ssize_t i0 = 0;
-    for (; i0 + 4 * LANES <= d; i0 += 4 * LANES) {
-        float r0[LANES], r1[LANES], r2[LANES], r3[LANES];
-        for (int l = 0; l < LANES; l++) {
+    for (; i0 + 4 * ATTN_LANES <= d; i0 += 4 * ATTN_LANES) {
+        float r0[ATTN_LANES], r1[ATTN_LANES], r2[ATTN_LANES], r3[ATTN_LANES];
+        for (int l = 0; l < ATTN_LANES; l++) {
             r0[l] = acc[i0 + l];
-            r1[l] = acc[i0 + LANES + l];
-            r2[l] = acc[i0 + 2 * LANES + l];
-            r3[l] = acc[i0 + 3 * LANES + l];
+            r1[l] = acc[i0 + ATTN_LANES + l];
+            r2[l] = acc[i0 + 2 * ATTN_LANES + l];
+            r3[l] = acc[i0 + 3 * ATTN_LANES + l];
         }
         for (Py_ssize_t t = 0; t < n; t++) {
             const char *restrict row = v + (size_t)(t * d + i0) * es;
-            for (int l = 0; l < LANES; l++) {
+            for (int l = 0; l < ATTN_LANES; l++) {
                 r0[l] += p[t] * elem(row, l, dtype);
-                r1[l] += p[t] * elem(row, LANES + l, dtype);
-                r2[l] += p[t] * elem(row, 2 * LANES + l, dtype);
-                r3[l] += p[t] * elem(row, 3 * LANES + l, dtype);
+                r1[l] += p[t] * elem(row, ATTN_LANES + l, dtype);
+                r2[l] += p[t] * elem(row, 2 * ATTN_LANES + l, dtype);
+                r3[l] += p[t] * elem(row, 3 * ATTN_LANES + l, dtype);
             }
         }
-        for (int l = 0; l < LANES; l++) {
+        for (int l = 0; l < ATTN_LANES; l++) {
             acc[i0 + l] = r0[l];
-            acc[i0 + LANES + l] = r1[l];
-            acc[i0 + 2 * LANES + l] = r2[l];
-            acc[i0 + 3 * LANES + l] = r3[l];
+            acc[i0 + ATTN_LANES + l] = r1[l];
+            acc[i0 + 2 * ATTN_LANES + l] = r2[l];
+            acc[i0 + 3 * ATTN_LANES + l] = r3[l];
         }
     }
-    if (d % (4 * LANES) == 0) return; /* lets gcc drop the tail where d is a constant */
+    if (d % (4 * ATTN_LANES) == 0) return; /* lets gcc drop the tail where d is a constant */
     for (Py_ssize_t i = i0; i < d; i++) {
         float sum = acc[i];
         for (Py_ssize_t t = 0; t < n; t++) sum += p[t] * elem(v, t * d + i, dtype);
@@ -313,7 +313,7 @@ int nanoserve_decode_attention(const decode_args *a, int num_threads) {
     return failed ? -1 : 0;
 }
 
-/* Rejects what would make the kernel read out of bounds; only the used table entries are read. */
+/* Only the used table entries are read, so only they are checked. */
 int nanoserve_check_tables(const decode_args *a) {
     const Py_ssize_t cap = a->max_blocks_per_seq * a->block_size;
     for (Py_ssize_t seq = 0; seq < a->num_seqs; seq++) {
@@ -336,6 +336,21 @@ int nanoserve_check_tables(const decode_args *a) {
         }
     }
     return 0;
+}
+
+PyObject *nanoserve_py_check_tables(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *kwlist[] = {"block_tables", "context_lens", "num_seqs", "max_blocks_per_seq",
+                             "block_size", "num_blocks", NULL};
+    unsigned long long tables, lens;
+    decode_args a = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKnnnn", kwlist, &tables, &lens, &a.num_seqs,
+                                     &a.max_blocks_per_seq, &a.block_size, &a.num_blocks))
+        return NULL;
+    a.block_tables = (const int32_t *)(uintptr_t)tables;
+    a.context_lens = (const int32_t *)(uintptr_t)lens;
+    if (nanoserve_check_tables(&a) < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -380,10 +395,8 @@ static inline int64_t slot_at(const void *slots, Py_ssize_t i, int slots_are_int
     return slots_are_int64 ? ((const int64_t *)slots)[i] : ((const int32_t *)slots)[i];
 }
 
-/* 0, or -1 with a ValueError set when a slot is past the cache (negative ones are skipped). */
-static int check_slots(const void *slots, Py_ssize_t num_tokens, int slots_are_int64,
-                       int64_t num_slots) {
-    for (Py_ssize_t i = 0; i < num_tokens; i++) {
+int nanoserve_check_slots(const void *slots, Py_ssize_t n, int slots_are_int64, int64_t num_slots) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         const int64_t slot = slot_at(slots, i, slots_are_int64);
         if (slot >= num_slots) {
             PyErr_Format(PyExc_ValueError,
@@ -393,6 +406,20 @@ static int check_slots(const void *slots, Py_ssize_t num_tokens, int slots_are_i
         }
     }
     return 0;
+}
+
+PyObject *nanoserve_py_check_slots(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *kwlist[] = {"slot_mapping", "num_tokens", "slots_are_int64", "num_slots", NULL};
+    unsigned long long slots;
+    Py_ssize_t n;
+    int is64;
+    long long num_slots;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KniL", kwlist, &slots, &n, &is64,
+                                     &num_slots) ||
+        nanoserve_check_slots((const void *)(uintptr_t)slots, n, is64, num_slots) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -409,8 +436,8 @@ PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs
                                      &c.block_size, &num_blocks, &elem_size, &slots_are_int64))
         return NULL;
     const void *slot_mapping = (const void *)(uintptr_t)slots;
-    if (check_slots(slot_mapping, num_tokens, slots_are_int64,
-                    (int64_t)num_blocks * c.block_size) < 0)
+    if (nanoserve_check_slots(slot_mapping, num_tokens, slots_are_int64,
+                              (int64_t)num_blocks * c.block_size) < 0)
         return NULL;
     c.k_cache = (char *)(uintptr_t)k_cache;
     c.v_cache = (char *)(uintptr_t)v_cache;

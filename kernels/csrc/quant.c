@@ -4,7 +4,7 @@
  * The path (portable C, AVX2+FMA+F16C, AVX-512 F/BW/VL with VNNI where the CPU has it) is chosen
  * once at module load from what the CPU reports, capped by the environment variable NANOSERVE_ISA
  * ("portable", "avx2", "avx512"); set_quant_isa changes it for tests and benchmarks. The format's
- * row of NS_BLOCK_FORMATS gives the path's kernel.
+ * row of the table of formats (FORMATS, below) gives the path's kernel.
  *
  * Batch invariant and deterministic: each row of x is quantized on its own, the threads split the
  * output features N (never K), and each out[m, n] is the same sequence of operations on row m of
@@ -14,6 +14,18 @@
 
 #include <omp.h>
 #include <stdlib.h>
+
+/* The formats, each defined in its file quant_<name>.c: adding one is a line here and its file.
+ * Python reads them from _C.BLOCK_FORMATS. */
+extern const ns_block_format Q8_0_FORMAT, Q4_0_FORMAT, Q4_1_FORMAT;
+static const ns_block_format *const FORMATS[] = {&Q8_0_FORMAT, &Q4_0_FORMAT, &Q4_1_FORMAT};
+enum { NUM_FORMATS = sizeof FORMATS / sizeof FORMATS[0] };
+
+const ns_block_format *ns_block_format_of(int code) {
+    for (int i = 0; i < NUM_FORMATS; i++)
+        if (FORMATS[i]->code == code) return FORMATS[i];
+    return NULL;
+}
 
 /* The names of the paths NS_PORTABLE, NS_AVX2 and NS_AVX512 (whose VNNI is a flag here). */
 static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512"};
@@ -177,8 +189,8 @@ PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kw
 
 PyObject *nanoserve_block_formats(void) {
     PyObject *formats = PyDict_New();
-    for (int i = 0; formats && i < NS_NUM_FORMATS; i++) {
-        const ns_block_format *f = &NS_BLOCK_FORMATS[i];
+    for (int i = 0; formats && i < NUM_FORMATS; i++) {
+        const ns_block_format *f = FORMATS[i];
         PyObject *row = Py_BuildValue("(in)", f->code, (Py_ssize_t)f->block_bytes);
         if (!row || PyDict_SetItemString(formats, f->name, row) < 0) Py_CLEAR(formats);
         Py_XDECREF(row);

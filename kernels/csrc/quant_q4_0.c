@@ -7,11 +7,18 @@
 #include "quant_strips_avx2.h"
 #include "quant_strips_avx512.h"
 
+/* value j = (q_j - 8) d, q_j a nibble of qs */
+typedef struct {
+    uint16_t d; /* fp16 */
+    uint8_t qs[QK / 2];
+} block_q4_0;
+_Static_assert(sizeof(block_q4_0) == 18 && sizeof(block_q4_0) <= NS_MAX_BLOCK_BYTES, "GGUF Q4_0");
+
 #include <math.h>
 
 /* d = -(the value of largest magnitude, the first of equals) / 8, q = trunc(x / d + 8.5) capped at
  * 15. Starting from x[0] keeps the sign of a zero d as numpy gets it. */
-void q4_0_quantize(void *block, const float *x) {
+static void q4_0_quantize(void *block, const float *x) {
     block_q4_0 *b = block;
     float amax = fabsf(x[0]), max = x[0];
     for (int j = 1; j < QK; j++)
@@ -29,7 +36,7 @@ void q4_0_quantize(void *block, const float *x) {
     ns_pack_nibbles(b->qs, q);
 }
 
-void q4_0_dequantize(float *x, const void *block) {
+static void q4_0_dequantize(float *x, const void *block) {
     const block_q4_0 *b = block;
     const float d = ns_f16_to_f32(b->d);
     for (int j = 0; j < QK / 2; j++) {
@@ -49,7 +56,7 @@ static int32_t q4_0_dot(const block_q4_0 *b, const int16_t *x) {
 }
 
 /* One output at a time, blocks in order. */
-void q4_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static void q4_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     const ns_xq *xq = a->x;
     const Py_ssize_t nb = a->K / QK;
     for (Py_ssize_t n = n0; n < n1; n++) {
@@ -79,8 +86,7 @@ AVX2_INLINE void q4_0_unpack_avx2(strip8 *s, const char *w, size_t stride) {
 
 static const strip8_format Q4_0_AVX2 = {q4_0_unpack_avx2, sizeof(block_q4_0), 0};
 
-__attribute__((target(AVX2_TARGET))) void q4_0_matmul_avx2(const ns_qmm *a, Py_ssize_t n0,
-                                                          Py_ssize_t n1) {
+AVX2_KERNEL void q4_0_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     matmul_avx2(a, n0, n1, Q4_0_AVX2);
 }
 
@@ -97,13 +103,29 @@ AVX512_INLINE void q4_0_unpack_avx512(strip16 *s, const char *w, size_t stride) 
 
 static const strip16_format Q4_0_AVX512 = {q4_0_unpack_avx512, sizeof(block_q4_0), 0};
 
-__attribute__((target(AVX512_TARGET))) void q4_0_matmul_avx512(const ns_qmm *a, Py_ssize_t n0,
-                                                              Py_ssize_t n1) {
+AVX512_KERNEL void q4_0_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     matmul_avx512(a, n0, n1, Q4_0_AVX512, 0);
 }
 
-__attribute__((target(AVX512_TARGET))) void q4_0_matmul_avx512_vnni(const ns_qmm *a,
-                                                                   Py_ssize_t n0, Py_ssize_t n1) {
+AVX512_KERNEL void q4_0_matmul_avx512_vnni(const ns_qmm *a, Py_ssize_t n0,
+                                           Py_ssize_t n1) {
     matmul_avx512(a, n0, n1, Q4_0_AVX512, 1);
 }
 #endif
+
+/* This format's row of the table of formats (quant.c). */
+const ns_block_format Q4_0_FORMAT = {
+    .code = 2, /* GGML_TYPE_Q4_0 */
+    .name = "q4_0",
+    .block_bytes = sizeof(block_q4_0),
+    .quantize = q4_0_quantize,
+    .dequantize = q4_0_dequantize,
+    .pairs = NS_NIBBLE_PAIRS,
+    .matmul = {[NS_PORTABLE] = q4_0_matmul_portable,
+#if NS_X86
+               [NS_AVX2] = q4_0_matmul_avx2,
+               [NS_AVX512] = q4_0_matmul_avx512,
+               [NS_AVX512_VNNI] = q4_0_matmul_avx512_vnni
+#endif
+    },
+};

@@ -8,8 +8,15 @@
 #include "quant_strips_avx2.h"
 #include "quant_strips_avx512.h"
 
+/* value j = q_j d + m, q_j a nibble of qs */
+typedef struct {
+    uint16_t d, m; /* fp16 */
+    uint8_t qs[QK / 2];
+} block_q4_1;
+_Static_assert(sizeof(block_q4_1) == 20 && sizeof(block_q4_1) <= NS_MAX_BLOCK_BYTES, "GGUF Q4_1");
+
 /* m = min x, d = (max x - m) / 15, q = trunc((x - m) / d + 0.5) capped at 15. */
-void q4_1_quantize(void *block, const float *x) {
+static void q4_1_quantize(void *block, const float *x) {
     block_q4_1 *b = block;
     float min = x[0], max = x[0];
     for (int j = 1; j < QK; j++) {
@@ -27,7 +34,7 @@ void q4_1_quantize(void *block, const float *x) {
     ns_pack_nibbles(b->qs, q);
 }
 
-void q4_1_dequantize(float *x, const void *block) {
+static void q4_1_dequantize(float *x, const void *block) {
     const block_q4_1 *b = block;
     const float d = ns_f16_to_f32(b->d), m = ns_f16_to_f32(b->m);
     for (int j = 0; j < QK / 2; j++) {
@@ -46,7 +53,7 @@ static int32_t q4_1_dot(const block_q4_1 *b, const int16_t *x) {
 }
 
 /* One output at a time, blocks in order. */
-void q4_1_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static void q4_1_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     const ns_xq *xq = a->x;
     const Py_ssize_t nb = a->K / QK;
     for (Py_ssize_t n = n0; n < n1; n++) {
@@ -78,8 +85,7 @@ AVX2_INLINE void q4_1_unpack_avx2(strip8 *s, const char *w, size_t stride) {
 
 static const strip8_format Q4_1_AVX2 = {q4_1_unpack_avx2, sizeof(block_q4_1), 1};
 
-__attribute__((target(AVX2_TARGET))) void q4_1_matmul_avx2(const ns_qmm *a, Py_ssize_t n0,
-                                                          Py_ssize_t n1) {
+AVX2_KERNEL void q4_1_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     matmul_avx2(a, n0, n1, Q4_1_AVX2);
 }
 
@@ -96,13 +102,29 @@ AVX512_INLINE void q4_1_unpack_avx512(strip16 *s, const char *w, size_t stride) 
 
 static const strip16_format Q4_1_AVX512 = {q4_1_unpack_avx512, sizeof(block_q4_1), 1};
 
-__attribute__((target(AVX512_TARGET))) void q4_1_matmul_avx512(const ns_qmm *a, Py_ssize_t n0,
-                                                              Py_ssize_t n1) {
+AVX512_KERNEL void q4_1_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     matmul_avx512(a, n0, n1, Q4_1_AVX512, 0);
 }
 
-__attribute__((target(AVX512_TARGET))) void q4_1_matmul_avx512_vnni(const ns_qmm *a,
-                                                                   Py_ssize_t n0, Py_ssize_t n1) {
+AVX512_KERNEL void q4_1_matmul_avx512_vnni(const ns_qmm *a, Py_ssize_t n0,
+                                           Py_ssize_t n1) {
     matmul_avx512(a, n0, n1, Q4_1_AVX512, 1);
 }
 #endif
+
+/* This format's row of the table of formats (quant.c). */
+const ns_block_format Q4_1_FORMAT = {
+    .code = 3, /* GGML_TYPE_Q4_1 */
+    .name = "q4_1",
+    .block_bytes = sizeof(block_q4_1),
+    .quantize = q4_1_quantize,
+    .dequantize = q4_1_dequantize,
+    .pairs = NS_NIBBLE_PAIRS,
+    .matmul = {[NS_PORTABLE] = q4_1_matmul_portable,
+#if NS_X86
+               [NS_AVX2] = q4_1_matmul_avx2,
+               [NS_AVX512] = q4_1_matmul_avx512,
+               [NS_AVX512_VNNI] = q4_1_matmul_avx512_vnni
+#endif
+    },
+};

@@ -6,10 +6,17 @@
 #include "quant_strips_avx2.h"
 #include "quant_strips_avx512.h"
 
+/* value j = qs[j] d */
+typedef struct {
+    uint16_t d; /* fp16 */
+    int8_t qs[QK];
+} block_q8_0;
+_Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q8_0) <= NS_MAX_BLOCK_BYTES, "GGUF Q8_0");
+
 #include <math.h>
 
 /* d = max|x| / 127, q = round(x / d), halves away from zero. */
-void q8_0_quantize(void *block, const float *x) {
+static void q8_0_quantize(void *block, const float *x) {
     block_q8_0 *b = block;
     float amax = 0.0f;
     for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
@@ -18,7 +25,7 @@ void q8_0_quantize(void *block, const float *x) {
     for (int j = 0; j < QK; j++) b->qs[j] = (int8_t)roundf(x[j] * id);
 }
 
-void q8_0_dequantize(float *x, const void *block) {
+static void q8_0_dequantize(float *x, const void *block) {
     const block_q8_0 *b = block;
     const float d = ns_f16_to_f32(b->d);
     for (int j = 0; j < QK; j++) x[j] = (float)b->qs[j] * d;
@@ -34,7 +41,7 @@ static int32_t q8_0_dot(const block_q8_0 *b, const int16_t *x) {
 }
 
 /* One output at a time, blocks in order. */
-void q8_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static void q8_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     const ns_xq *xq = a->x;
     const Py_ssize_t nb = a->K / QK;
     for (Py_ssize_t n = n0; n < n1; n++) {
@@ -72,8 +79,7 @@ AVX2_INLINE void q8_0_unpack_avx2(strip8 *s, const char *w, size_t stride) {
 
 static const strip8_format Q8_0_AVX2 = {q8_0_unpack_avx2, sizeof(block_q8_0), 0};
 
-__attribute__((target(AVX2_TARGET))) void q8_0_matmul_avx2(const ns_qmm *a, Py_ssize_t n0,
-                                                          Py_ssize_t n1) {
+AVX2_KERNEL void q8_0_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     matmul_avx2(a, n0, n1, Q8_0_AVX2);
 }
 
@@ -97,13 +103,29 @@ AVX512_INLINE void q8_0_unpack_avx512(strip16 *s, const char *w, size_t stride) 
 
 static const strip16_format Q8_0_AVX512 = {q8_0_unpack_avx512, sizeof(block_q8_0), 0};
 
-__attribute__((target(AVX512_TARGET))) void q8_0_matmul_avx512(const ns_qmm *a, Py_ssize_t n0,
-                                                              Py_ssize_t n1) {
+AVX512_KERNEL void q8_0_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     matmul_avx512(a, n0, n1, Q8_0_AVX512, 0);
 }
 
-__attribute__((target(AVX512_TARGET))) void q8_0_matmul_avx512_vnni(const ns_qmm *a,
-                                                                   Py_ssize_t n0, Py_ssize_t n1) {
+AVX512_KERNEL void q8_0_matmul_avx512_vnni(const ns_qmm *a, Py_ssize_t n0,
+                                           Py_ssize_t n1) {
     matmul_avx512(a, n0, n1, Q8_0_AVX512, 1);
 }
 #endif
+
+/* This format's row of the table of formats (quant.c). */
+const ns_block_format Q8_0_FORMAT = {
+    .code = 8, /* GGML_TYPE_Q8_0 */
+    .name = "q8_0",
+    .block_bytes = sizeof(block_q8_0),
+    .quantize = q8_0_quantize,
+    .dequantize = q8_0_dequantize,
+    .pairs = NS_BYTE_PAIRS,
+    .matmul = {[NS_PORTABLE] = q8_0_matmul_portable,
+#if NS_X86
+               [NS_AVX2] = q8_0_matmul_avx2,
+               [NS_AVX512] = q8_0_matmul_avx512,
+               [NS_AVX512_VNNI] = q8_0_matmul_avx512_vnni
+#endif
+    },
+};

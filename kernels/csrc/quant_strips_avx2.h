@@ -18,6 +18,8 @@
 
 #define AVX2_TARGET "avx2,fma,f16c"
 #define AVX2_INLINE static inline __attribute__((target(AVX2_TARGET), always_inline))
+/* A format's kernel on this path (its row of the table of formats points to it). */
+#define AVX2_KERNEL static __attribute__((target(AVX2_TARGET)))
 
 /* 16 registers: 3 x 2 tiles take 6 int32 and 6 float accumulators, 2 weights and a broadcast. */
 enum { MR_AVX2 = 3, NR_AVX2 = 2 };

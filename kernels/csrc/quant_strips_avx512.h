@@ -29,6 +29,8 @@
 
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
 #define AVX512_INLINE static inline __attribute__((target(AVX512_TARGET), always_inline))
+/* A format's kernel on this path (its row of the table of formats points to it). */
+#define AVX512_KERNEL static __attribute__((target(AVX512_TARGET)))
 
 /* Tiles of MR rows of x by NR strips: 4 x 3 takes 12 int32 and 12 float accumulators of the 32
  * registers. */

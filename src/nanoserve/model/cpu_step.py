@@ -16,7 +16,7 @@ import torch
 from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedWeight, c_backend
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.loader import LayerWeights
+from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -27,33 +27,18 @@ class CpuDecodeStep:
         this step reading the old ones (nothing in nanoserve does)."""
         self.config = config
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self.weights = [
-            [
-                _address(t)
-                for t in (
-                    layer.input_norm,
-                    layer.qkv.weight,
-                    layer.o.weight,
-                    layer.post_norm,
-                    layer.gate_up.weight,
-                    layer.down.weight,
-                )
-            ]
-            for layer in layers
-        ]
-        # Per layer, the block format of qkv, o, gate_up and down (0: float); None if all float.
-        codes = [[_qtype_code(m.weight) for m in _matrices(layer)] for layer in layers]
-        self.qtypes = torch.tensor(codes, dtype=torch.int32) if any(map(any, codes)) else None
+        # Per layer, each weight by its name (a field of the C step's struct layer_weights).
+        self.weights = [{name: _stored(getattr(x, name)) for name, _ in LAYER} for x in layers]
         self._caches: list[torch.Tensor] = []  # the cache tensors behind self._table
-        self._table = torch.empty(0, dtype=torch.uint64)
+        self._table: object = None
 
     @staticmethod
     def supported(layers: list[LayerWeights]) -> bool:
         """Every matrix takes the C GEMV (CPU, float32 or bfloat16, C kernels on) or is kept in
         GGUF blocks (then with float32 activations)."""
-        matrices = [m for layer in layers for m in _matrices(layer)]
-        blocks = any(isinstance(m.weight, QuantizedWeight) for m in matrices)
-        floats_ok = all(m.gemv or isinstance(m.weight, QuantizedWeight) for m in matrices)
+        ms = [m for layer in layers for m in matrices(layer)]
+        blocks = any(isinstance(m.weight, QuantizedWeight) for m in ms)
+        floats_ok = all(m.gemv or isinstance(m.weight, QuantizedWeight) for m in ms)
         dtype = layers[0].input_norm.dtype if layers else torch.float32
         return c_backend.enabled() and floats_ok and not (blocks and dtype != torch.float32)
 
@@ -87,7 +72,7 @@ class CpuDecodeStep:
         c, k_cache = self.config, kv_caches[0][0]
         c_backend.decode_layers(
             h,
-            self._pointers(kv_caches, h.dtype),
+            self.layer_table(kv_caches, h.dtype),
             positions,
             meta.slot_mapping,
             cos,
@@ -101,11 +86,11 @@ class CpuDecodeStep:
             intermediate=c.intermediate_size,
             eps=c.rms_norm_eps,
             scale=self.scale,
-            qtypes=self.qtypes,
         )
 
-    def _pointers(self, kv_caches: KVCaches, dtype: torch.dtype) -> torch.Tensor:
-        """The [layers, 8] pointer table, rebuilt (and the caches checked) when a cache changes."""
+    def layer_table(self, kv_caches: KVCaches, dtype: torch.dtype) -> object:
+        """The C step's layers (weights and KV caches), rebuilt (and the caches checked) when a
+        cache changes."""
         caches = [t for pair in kv_caches for t in pair]
         if len(caches) == len(self._caches) and all(
             a is b for a, b in zip(caches, self._caches, strict=True)
@@ -121,21 +106,17 @@ class CpuDecodeStep:
                     f"KV caches must be contiguous CPU tensors of {dtype} shaped {shape}, got "
                     f"{tuple(t.shape)} {t.dtype} on {t.device}"
                 )
-        rows = [
-            w + [k.data_ptr(), v.data_ptr()]
+        layers = [
+            {**w, "k_cache": (k.data_ptr(), 0), "v_cache": (v.data_ptr(), 0)}
             for w, (k, v) in zip(self.weights, kv_caches, strict=True)
         ]
-        self._caches, self._table = caches, torch.tensor(rows, dtype=torch.uint64)
+        self._caches, self._table = caches, c_backend.layer_table(layers)
         return self._table
 
 
-def _matrices(layer: LayerWeights) -> tuple:
-    return (layer.qkv, layer.o, layer.gate_up, layer.down)
-
-
-def _address(w: torch.Tensor | QuantizedWeight) -> int:
-    return w.data.data_ptr() if isinstance(w, QuantizedWeight) else w.data_ptr()
-
-
-def _qtype_code(w: torch.Tensor | QuantizedWeight) -> int:
-    return c_backend.QTYPE_CODES[w.qtype] if isinstance(w, QuantizedWeight) else 0
+def _stored(w: torch.Tensor | Matrix) -> tuple[int, int]:
+    """(data pointer, format) of a weight: format 0 for floats, else its GGML type id."""
+    t = w if isinstance(w, torch.Tensor) else w.weight
+    if isinstance(t, QuantizedWeight):
+        return t.data.data_ptr(), c_backend.QTYPE_CODES[t.qtype]
+    return t.data_ptr(), 0

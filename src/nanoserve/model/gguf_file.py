@@ -27,31 +27,24 @@ import torch
 
 from nanoserve.env import cache_dir
 from nanoserve.gguf_tokenizer import UnsupportedTokenizer, tokenizer_from_gguf
-from nanoserve.kernels import QuantizedWeight, aligned_bytes
+from nanoserve.kernels import QuantizedWeight, aligned_bytes, c_backend
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.quantized import Weight
+from nanoserve.model.weights import LAYER, MODEL
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType
 DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ARCHITECTURES = ("llama",)
-KEPT = (Q.Q8_0, Q.Q4_0, Q.Q4_1)  # kept in their blocks by the CPU kernels (kernels.QUANT_TYPES)
+# Kept in their blocks by the CPU kernels: their table of formats (kernels.QUANT_TYPES).
+KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
 INDEX_VERSION = 1
 
-# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF tensor name -> Hugging Face name, from model/weights.py: a layer's after "blk.N." and
+# "model.layers.N.", the model's own whole.
+LAYER_NAMES = {g: h for _, t in LAYER for g, h in zip(t.gguf, t.hf, strict=True)}
+TOP_NAMES = {g: h for _, t in MODEL for g, h in zip(t.gguf, t.hf, strict=True)}
 ROPE_FREQS = "rope_freqs.weight"
 
 

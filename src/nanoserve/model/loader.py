@@ -1,16 +1,17 @@
-"""From a checkpoint's tensors to the forward pass's weights: fuses q/k/v and gate/up into one
-matrix each, ties the output projection to the embedding where the checkpoint does, keeps this
-rank's slices under tensor parallelism (model/parallel.py), and wraps every matrix in a `Linear`
-(which packs it for the device's fastest matmul) or, for a matrix kept in GGUF blocks, a
-`QuantLinear`. Where the weights live is the caller's choice (`place`). Also reads a Hugging Face
-checkpoint's safetensors (single file or shards). Owns nothing after loading.
+"""From a checkpoint's tensors to the forward pass's weights, as model/weights.py describes them:
+fuses q/k/v and gate/up into one matrix each, checks each layer tensor's shape, ties the output
+projection to the embedding where the checkpoint does, keeps this rank's slices under tensor
+parallelism (model/parallel.py), and wraps every matrix in a `Linear` (which packs it for the
+device's fastest matmul) or, for a matrix kept in GGUF blocks, a `QuantLinear`. Where the weights
+live is the caller's choice (`place`). Also reads a Hugging Face checkpoint's safetensors (single
+file or shards). Owns nothing after loading.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,31 +20,7 @@ from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
 from nanoserve.model.parallel import SINGLE, Parallel, shard
 from nanoserve.model.quantized import QuantizedWeight, QuantLinear, Weight, cat_rows, placed
-
-# Each layer's tensors in `fuse`'s flat list, in this order.
-LAYER_TENSORS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
-
-
-Matrix = Linear | QuantLinear
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: Matrix
-    post_norm: torch.Tensor
-    gate_up: Matrix  # [2 * intermediate, hidden]
-    down: Matrix
-
-
-@dataclass
-class LlamaWeights:
-    embed: Weight  # [vocab, hidden], floats or GGUF blocks
-    norm: torch.Tensor
-    lm_head: Matrix  # the embedding itself when tied
-    layers: list[LayerWeights]
-
+from nanoserve.model.weights import LAYER, MODEL, LayerWeights, LlamaWeights, listed
 
 Placement = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -99,53 +76,50 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
-    """[embed, lm_head, norm, then LAYER_TENSORS of every layer], q/k/v and gate/up fused. Takes
-    the tensors out of `weights` (emptied), so that the separate matrices are freed once fused."""
-    lm_head = weights.pop("lm_head.weight", None)
-    if lm_head is None and not config.tie_word_embeddings:
-        raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-    embed = weights.pop("model.embed_tokens.weight")
-    tensors = [embed, embed if lm_head is None else lm_head, weights.pop("model.norm.weight")]
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
+    """Every tensor of the model in `listed` order (model/weights.py), a fused matrix's parts
+    stacked by rows, each part's shape checked against the config; a tied output projection is
+    the embedding itself. Takes the tensors out of `weights`, so that the separate matrices are
+    freed once fused."""
+    taken: dict[str, Weight] = {}
+    out: list[Weight] = []
+    for prefix, name, t in listed(config.num_layers):
+        keys = [f"{prefix}{part}.weight" for part in t.hf]
+        if t.tied_to is not None and keys[0] not in weights:
+            if not config.tie_word_embeddings:
+                raise ValueError(f"checkpoint has no {keys[0]} and tie_word_embeddings is false")
+            out.append(taken[t.tied_to])
+            continue
+        parts = [weights.pop(key) for key in keys]
+        if t.parts is not None:
+            _check_shapes(keys, parts, t.parts(config))
+        taken[name] = parts[0] if len(parts) == 1 else cat_rows(parts)
+        out.append(taken[name])
+    return out
 
-        def take(name: str, p: str = p) -> Weight:
-            return weights.pop(p + name)
 
-        tensors += [
-            take("input_layernorm.weight"),
-            cat_rows([take(f"self_attn.{n}_proj.weight") for n in "qkv"]),
-            take("self_attn.o_proj.weight"),
-            take("post_attention_layernorm.weight"),
-            cat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
-            take("mlp.down_proj.weight"),
-        ]
-    return tensors
+def _check_shapes(keys: list[str], parts: list[Weight], shapes: list[tuple[int, ...]]) -> None:
+    for key, part, shape in zip(keys, parts, shapes, strict=True):
+        if tuple(part.shape) != shape:
+            raise ValueError(
+                f"{key} has shape {list(part.shape)}, but the config makes it {list(shape)}"
+            )
 
 
 def pack(tensors: list[Weight], num_layers: int) -> LlamaWeights:
-    """The flat list from `fuse` as LlamaWeights, every matrix a Linear (or QuantLinear)."""
-    embed, lm_head, norm, *rest = tensors
-    layers = []
-    for i in range(num_layers):
-        t = dict(zip(LAYER_TENSORS, rest[i * 6 : (i + 1) * 6], strict=True))
-        layers.append(
-            LayerWeights(
-                input_norm=_float(t["input_norm"]),
-                qkv=matrix(t["qkv"]),
-                o=matrix(t["o"]),
-                post_norm=_float(t["post_norm"]),
-                gate_up=matrix(t["gate_up"]),
-                down=matrix(t["down"]),
-            )
-        )
-    return LlamaWeights(embed=embed, norm=_float(norm), lm_head=matrix(lm_head), layers=layers)
+    """The flat list from `fuse` as LlamaWeights: every matrix a Linear (or QuantLinear), an
+    embedding as it is, a norm's weight a float tensor."""
+    it = iter(tensors)
+    own = {name: _kept(t.kind, next(it)) for name, t in MODEL}
+    layers = [
+        LayerWeights(**{name: _kept(t.kind, next(it)) for name, t in LAYER})
+        for _ in range(num_layers)
+    ]
+    return LlamaWeights(**own, layers=layers)
 
 
-def matrix(w: Weight) -> Matrix:
-    return QuantLinear(w) if isinstance(w, QuantizedWeight) else Linear(w)
-
-
-def _float(w: Weight) -> torch.Tensor:
-    assert isinstance(w, torch.Tensor), "norms are never quantized"
+def _kept(kind: str, w: Weight) -> Any:
+    """w as LlamaWeights and LayerWeights keep a tensor of `kind` (model/weights.py)."""
+    if kind == "matrix":
+        return QuantLinear(w) if isinstance(w, QuantizedWeight) else Linear(w)
+    assert kind == "embedding" or isinstance(w, torch.Tensor), "norms are never quantized"
     return w

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.weights import Tensor, listed
 
 
 @dataclass(frozen=True)
@@ -133,25 +134,26 @@ def vocab_embedding(table: torch.Tensor, ids: torch.Tensor, rank: int) -> torch.
 def shard(
     tensors: list[torch.Tensor], config: ModelConfig, parallel: Parallel
 ) -> list[torch.Tensor]:
-    """The loader's flat list ([embed, lm_head, norm, then per layer input_norm, qkv, o,
-    post_norm, gate_up, down]) cut to this rank's part. Slices are copies, so that the whole
-    matrices can be freed; norms are kept whole; a tied output projection stays tied."""
+    """The loader's flat list (model/weights.py's `listed` order) cut to this rank's part, each
+    tensor as its description's `shard` says. Slices are copies, so that the whole matrices can
+    be freed; a tensor listed twice (a tied output projection) is cut once and stays one."""
     if parallel.size == 1:
         return tensors
     check_divisible(config, parallel.size)
-    r, n, c = parallel.rank, parallel.size, config
-    embed, lm_head, norm, *layers = tensors
-    vocab = vocab_parallel(embed, r, n)
-    out = [vocab, vocab if lm_head is embed else vocab_parallel(lm_head, r, n), norm]
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    for i in range(0, len(layers), 6):
-        input_norm, qkv, o, post_norm, gate_up, down = layers[i : i + 6]
-        out += [
-            input_norm,
-            column_parallel(qkv, (q, kv, kv), r, n),
-            row_parallel(o, r, n),
-            post_norm,
-            column_parallel(gate_up, (c.intermediate_size,) * 2, r, n),
-            row_parallel(down, r, n),
-        ]
+    cut: dict[int, torch.Tensor] = {}
+    out = []
+    for (_, _, t), w in zip(listed(config.num_layers), tensors, strict=True):
+        if id(w) not in cut:
+            cut[id(w)] = _slice(t, w, config, parallel)
+        out.append(cut[id(w)])
     return out
+
+
+def _slice(t: Tensor, w: torch.Tensor, config: ModelConfig, p: Parallel) -> torch.Tensor:
+    if t.shard == "column":
+        return column_parallel(w, t.rows(config), p.rank, p.size)
+    if t.shard == "row":
+        return row_parallel(w, p.rank, p.size)
+    if t.shard == "vocab":
+        return vocab_parallel(w, p.rank, p.size)
+    return w

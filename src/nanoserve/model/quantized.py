@@ -1,7 +1,7 @@
-"""Weights kept in llama.cpp's GGUF block formats on the CPU (Q8_0, Q4_0, Q4_1: the kernels'
-QUANT_TYPES): the matmul by such a matrix, the embedding lookup from one, row concatenation (for
-the fused q/k/v and gate/up), placement of their bytes, and quantizing a float checkpoint's
-matrices at load (`--quantization`). Activations stay float32. Owns nothing.
+"""Weights kept in llama.cpp's GGUF block formats on the CPU (the kernels' QUANT_TYPES): the
+matmul by such a matrix, the embedding lookup from one, row concatenation (for the fused q/k/v and
+gate/up), placement of their bytes, and quantizing a float checkpoint's matrices at load
+(`--quantization`). Activations stay float32. Owns nothing.
 """
 
 from __future__ import annotations

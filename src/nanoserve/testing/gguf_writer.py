@@ -15,6 +15,7 @@ import torch
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.loader import read_checkpoint
+from nanoserve.model.weights import LAYER
 
 
 def write_gguf(
@@ -58,17 +59,8 @@ def _add_hyperparameters(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
 
-LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+# Hugging Face name (after "model.layers.N.") -> GGUF name (after "blk.N."), from model/weights.py.
+LAYER_NAMES = {h: g for _, t in LAYER for h, g in zip(t.hf, t.gguf, strict=True)}
 
 
 def _tensors(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

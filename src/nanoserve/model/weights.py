@@ -1,0 +1,128 @@
+"""The model's weights, each described once: `LayerWeights` and `LlamaWeights` declare every
+tensor as a field whose `Tensor` says where a checkpoint keeps it (Hugging Face and GGUF names; a
+fused matrix lists its parts, stacked by rows), its shape in terms of the config, how tensor
+parallelism cuts it and what it is (a matrix or an embedding, in floats or GGUF blocks; a norm).
+The loader, the sharder, the GGUF reader and the one-call C step (whose struct layer_weights has
+the same fields) iterate `LAYER` and `MODEL` rather than spelling the order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import torch
+
+from nanoserve.model.config import ModelConfig
+from nanoserve.model.linear import Linear
+from nanoserve.model.quantized import QuantLinear, Weight
+
+Matrix = Linear | QuantLinear
+# column: whole heads of each part's output rows; row: the matching input columns; vocab: a range
+# of the vocabulary's rows; replicated: whole on every rank (model/parallel.py).
+Shard = Literal["column", "row", "vocab", "replicated"]
+# matrix: multiplied by (a Linear; a QuantLinear when in GGUF blocks); embedding: rows looked up
+# (floats or GGUF blocks, as they come); norm: a vector, always floats.
+Kind = Literal["matrix", "embedding", "norm"]
+Shapes = Callable[[ModelConfig], list[tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """Where one weight comes from and how it is kept."""
+
+    hf: tuple[str, ...]  # Hugging Face names without ".weight" (a layer's after "model.layers.N.")
+    gguf: tuple[str, ...]  # llama.cpp's names of the same parts (a layer's after "blk.N.")
+    shard: Shard
+    kind: Kind
+    # Each part's shape, checked at load; None: not checked (a vocabulary may be padded).
+    parts: Shapes | None = None
+    tied_to: str | None = None  # the field it is when the checkpoint has none and ties them
+
+    def rows(self, config: ModelConfig) -> list[int]:
+        """Each part's rows: where a column-parallel cut takes its slice of every part."""
+        assert self.parts is not None, "only a layer's tensors have shapes"
+        return [shape[0] for shape in self.parts(config)]
+
+
+def _tensor(**spec: Any) -> Any:
+    """A field of a weights dataclass, described by `Tensor(**spec)`."""
+    return field(metadata={"tensor": Tensor(**spec)})
+
+
+def _q(c: ModelConfig) -> int:
+    return c.num_heads * c.head_dim
+
+
+def _kv(c: ModelConfig) -> int:
+    return c.num_kv_heads * c.head_dim
+
+
+@dataclass
+class LayerWeights:
+    """A decoder layer's weights, in the order the loader lists them."""
+
+    input_norm: torch.Tensor = _tensor(
+        hf=("input_layernorm",), gguf=("attn_norm",), shard="replicated", kind="norm",
+        parts=lambda c: [(c.hidden_size,)],
+    )  # fmt: skip
+    qkv: Matrix = _tensor(
+        hf=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        gguf=("attn_q", "attn_k", "attn_v"), shard="column", kind="matrix",
+        parts=lambda c: [(_q(c), c.hidden_size), (_kv(c), c.hidden_size), (_kv(c), c.hidden_size)],
+    )  # fmt: skip
+    o: Matrix = _tensor(
+        hf=("self_attn.o_proj",), gguf=("attn_output",), shard="row", kind="matrix",
+        parts=lambda c: [(c.hidden_size, _q(c))],
+    )  # fmt: skip
+    post_norm: torch.Tensor = _tensor(
+        hf=("post_attention_layernorm",), gguf=("ffn_norm",), shard="replicated", kind="norm",
+        parts=lambda c: [(c.hidden_size,)],
+    )  # fmt: skip
+    gate_up: Matrix = _tensor(
+        hf=("mlp.gate_proj", "mlp.up_proj"), gguf=("ffn_gate", "ffn_up"), shard="column",
+        kind="matrix", parts=lambda c: [(c.intermediate_size, c.hidden_size)] * 2,
+    )  # fmt: skip
+    down: Matrix = _tensor(
+        hf=("mlp.down_proj",), gguf=("ffn_down",), shard="row", kind="matrix",
+        parts=lambda c: [(c.hidden_size, c.intermediate_size)],
+    )  # fmt: skip
+
+
+@dataclass
+class LlamaWeights:
+    """The whole model's: its own tensors, then its layers'."""
+
+    embed: Weight = _tensor(  # [vocab, hidden], floats or GGUF blocks
+        hf=("model.embed_tokens",), gguf=("token_embd",), shard="vocab", kind="embedding"
+    )
+    lm_head: Matrix = _tensor(  # the embedding itself when tied
+        hf=("lm_head",), gguf=("output",), shard="vocab", kind="matrix", tied_to="embed"
+    )
+    norm: torch.Tensor = _tensor(
+        hf=("model.norm",), gguf=("output_norm",), shard="replicated", kind="norm"
+    )
+    layers: list[LayerWeights] = field(default_factory=list)
+
+
+def _described(cls: type) -> tuple[tuple[str, Tensor], ...]:
+    return tuple((f.name, f.metadata["tensor"]) for f in fields(cls) if "tensor" in f.metadata)
+
+
+LAYER = _described(LayerWeights)  # (field, Tensor) of a layer's tensors, in order
+MODEL = _described(LlamaWeights)  # (field, Tensor) of the model's own, in order
+
+
+def listed(num_layers: int) -> list[tuple[str, str, Tensor]]:
+    """(checkpoint name prefix, field, Tensor) of every tensor of the model in the loader's order:
+    MODEL's, then LAYER's of each layer (prefix "model.layers.N.")."""
+    out = [("", name, t) for name, t in MODEL]
+    for i in range(num_layers):
+        out += [(f"model.layers.{i}.", name, t) for name, t in LAYER]
+    return out
+
+
+def matrices(layer: LayerWeights) -> list[Matrix]:
+    """A layer's matrices, in order."""
+    return [getattr(layer, name) for name, t in LAYER if t.kind == "matrix"]
