@@ -2,7 +2,8 @@
 
 paged_attention_decode reads the paged KV cache ([num_blocks, num_kv_heads, block_size, head_dim]);
 store_kv writes new tokens into it. backend="auto" picks Triton for CUDA tensors and the C kernel
-for CPU tensors (falling back to torch, with a warning, when the C module is not built).
+for CPU tensors; a C module that was not built is an error (BackendUnavailableError), never a
+silent fallback.
 small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory speed on the CPU;
 rms_norm and rope_ do Llama's RMSNorm and rotary embedding in one C call each on the CPU.
 quantized_linear multiplies by a matrix kept in one of llama.cpp's GGUF block formats (QUANT_TYPES,

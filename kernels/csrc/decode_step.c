@@ -3,8 +3,8 @@
  *
  * It does what Llama._layers (src/nanoserve/model/llama.py) does layer by layer, with the same C
  * kernels (RMSNorm, GEMV, RoPE, KV store, paged attention), but without returning to Python
- * between ops: at batch 1 on the 25M benchmark model those returns cost more than half a
- * millisecond a step, next to ~3 ms of weight reading. SwiGLU and the residual adds are the only
+ * between ops: at batch 1 a step is a few milliseconds of weight reading, and a return to the
+ * interpreter per op would add a sizeable share of it. SwiGLU and the residual adds are the only
  * arithmetic of its own; each result is rounded to the model dtype where torch would round it.
  *
  * Each layer comes as a struct layer_weights, its weights by name (the fields of

@@ -81,8 +81,8 @@ AVX512_INLINE void transpose_rows_avx512(__m512i g[4], const char *src, size_t s
 }
 
 /* Each of 16 rows' block d (and m if has_min), from the 32 bits at each block's start (every
- * block starts with its fp16 d, Q4_1's with d and m), gathered: 16 scalar loads stored and read
- * back as a vector measured up to 40% slower at M = 1 (a store-forwarding stall a block). */
+ * block starts with its fp16 d, Q4_1's with d and m), gathered in one instruction: 16 scalar
+ * stores read back as a vector would stall on store forwarding at every block. */
 AVX512_INLINE void strip_heads_avx512(__m512 *d, __m512 *m, const char *w, size_t stride,
                                       const int has_min) {
     const __m512i rows = _mm512_mullo_epi32(
@@ -235,9 +235,8 @@ AVX512_INLINE void strip_tile_any_avx512(const ns_qmm *a, const strip16 *panel, 
     }
 }
 
-/* out[r0 .. r0 + mr, n0 .. n1] straight from W (mr <= NS_GEMV_ROWS), a strip at a time (two or
- * three measured no faster at M = 1 and slower at M = 4): each block unpacked once for all the
- * rows, W read once. */
+/* out[r0 .. r0 + mr, n0 .. n1] straight from W (mr <= NS_GEMV_ROWS), one strip at a time: each
+ * block unpacked once for all the rows, W read once, the unpacked strip kept in registers. */
 AVX512_INLINE void strip_gemv_avx512(const ns_qmm *a, Py_ssize_t r0, int mr, Py_ssize_t n0,
                                      Py_ssize_t n1, const strip16_format f, const int vnni) {
     for (Py_ssize_t c0 = n0; c0 < n1; c0 += 16)

@@ -1,10 +1,9 @@
 """A weight matrix of the forward pass and the fastest way to multiply by it on each device.
 
 On the CPU a matmul of up to 4 rows (decode at small batch) goes to the C GEMV, which streams the
-weights at memory speed; more rows go to oneDNN with the weight prepacked into its blocked layout.
-On the 25M benchmark model's shapes (33 weight matrices, 105 MB, float32) the packed oneDNN
-matmuls took 4.6-21 ms per pass at 3-64 rows against 14-32 ms for F.linear (MKL); the GEMV took
-3.2 ms at one row against 6.0 packed. The packed copy doubles the weights' memory on the CPU.
+weights at memory speed; more rows go to oneDNN with the weight prepacked into its blocked layout,
+which it multiplies faster than F.linear does the plain one (bench/bench_kernels.py measures
+both). The packed copy doubles the weights' memory on the CPU.
 Elsewhere, or where oneDNN is missing, F.linear.
 """
 
