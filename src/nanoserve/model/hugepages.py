@@ -2,7 +2,8 @@
 
 A decode step at small batch streams every weight from memory once. With 4 KiB pages the walk
 through the weights misses the TLB every page; 2 MiB pages take 512 times fewer misses. An
-anonymous private mapping advised MADV_HUGEPAGE gets huge pages when first touched wherever the kernel's THP mode is "madvise" or "always".
+anonymous private mapping advised MADV_HUGEPAGE gets huge pages when first touched wherever the
+kernel's THP mode is "madvise" or "always".
 """
 
 from __future__ import annotations
