@@ -80,6 +80,13 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs are asked for and not all recorded yet (a group's first request)."""
+        return self.prompt_logprobs is not None and (
+            len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 

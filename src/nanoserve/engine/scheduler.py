@@ -5,7 +5,9 @@ running list (in admission order). Each step every running decode gets its token
 prefills (running ones, then admissions while the token budget, the sequence budget and the free
 blocks above a watermark allow) take turns of at most `prefill_turn` tokens each, and what budget
 is left goes to them again, oldest first. So a long prompt shares each step with the decodes and
-with a later arrival's first chunk instead of holding them back for its whole length. A request
+with a later arrival's first chunk instead of holding them back for its whole length. The later
+requests of a group (n > 1) wait while its first one computes their shared prompt, and while it
+scores it: the group's outputs carry the prompt's logprobs, which must be whole. A request
 that cannot get its next block preempts the most recently admitted one, whose blocks are freed
 and whose tokens are recomputed when it is admitted again. Blocks are the KV cache manager's
 (engine/kv_manager.py): the scheduler asks it for them and never sees the block pool.
@@ -140,9 +142,13 @@ class Scheduler:
 
     def _admit(self, plan: _Plan) -> None:
         prefilling = {r.group_id for r in self.running if r.in_prefill}
+        scoring = {r.group_id for r in self.running if r.scores_prompt}
         i = 0
         while i < len(self.waiting) and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
+            if request.group_id in scoring:
+                i += 1  # the group's output carries the prompt's logprobs: none before they are
+                continue
             computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             if request.group_id in prefilling and num_cached < self._shareable_prompt_tokens(
                 request
@@ -159,6 +165,8 @@ class Scheduler:
             plan.add(request, num_new)
             if request.in_prefill:
                 prefilling.add(request.group_id)
+            if request.scores_prompt:
+                scoring.add(request.group_id)
 
     def _top_up(self, plan: _Plan) -> None:
         """Budget that every prefill's turn left over goes to the prefills of the step again,
