@@ -312,7 +312,7 @@ class Engine:
         self._generated += 1
         if request.first_token_time is None:
             request.first_token_time = now
-        if token in p.stop_token_ids:
+        if token in request.stop_token_ids:
             request.finish("stop", token)
         elif token in self.eos_token_ids and not p.ignore_eos:
             request.finish("stop")
