@@ -304,7 +304,7 @@ class Engine:
             request.first_token_time = now
         if request.matcher is not None:
             request.matcher.consume_token(token)  # the mask allowed it
-        if token in p.stop_token_ids:
+        if token in request.stop_token_ids:
             request.finish("stop", token)
         elif token in self.eos_token_ids and not p.ignore_eos:
             request.finish("stop")

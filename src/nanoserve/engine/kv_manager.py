@@ -49,10 +49,7 @@ class KVCacheManager:
         """The longest cached prefix of a request that holds no blocks, and its length in tokens."""
         # At least one token is always computed: it yields the logits of the next one. Cached
         # blocks have no logits: a request that wants prompt logprobs computes its prompt.
-        scoring = request.prompt_logprobs is not None and (
-            len(request.prompt_logprobs) < request.num_prompt_tokens
-        )
-        max_tokens = 0 if scoring else request.num_tokens - 1
+        max_tokens = 0 if request.scores_prompt else request.num_tokens - 1
         blocks, hashes = self.block_pool.lookup(request.token_ids, max_tokens)
         return ComputedBlocks(tuple(blocks), tuple(hashes)), len(blocks) * self.block_size
 

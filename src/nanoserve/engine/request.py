@@ -39,6 +39,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     high_water: int = 0  # most tokens ever in the cache at once (preemption drops them)
+    stop_token_ids: frozenset[int] = field(init=False, default=frozenset())  # from params
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     # Entry i: prompt token i's logprob and alternatives (None for the first token); filled chunk
     # by chunk as the prompt is computed. Only the first request of a group computes them.
@@ -55,6 +56,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)  # checked at every token
         if self.params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs = [None]
 
@@ -82,6 +84,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs are asked for and not all recorded yet (a group's first request)."""
+        return self.prompt_logprobs is not None and (
+            len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     @property
     def in_prefill(self) -> bool:

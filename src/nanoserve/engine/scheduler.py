@@ -5,7 +5,11 @@ running list (in admission order). Each step every running decode gets its token
 prefills (running ones, then admissions while the token budget, the sequence budget and the free
 blocks above a watermark allow) take turns of at most `prefill_turn` tokens each, and what budget
 is left goes to them again, oldest first. So a long prompt shares each step with the decodes and
-with a later arrival's first chunk instead of holding them back for its whole length. A request
+with a later arrival's first chunk instead of holding them back for its whole length; a request
+that scores its prompt takes at most `scoring_turn` tokens a step while other groups' requests
+are running or waiting, so that their steps stay short however long that prompt. The later
+requests of a group (n > 1) wait while its first one computes their shared prompt, and while it
+scores it: the group's outputs carry the prompt's logprobs, which must be whole. A request
 that cannot get its next block preempts the most recently admitted one, whose blocks are freed
 and whose tokens are recomputed when it is admitted again. Blocks are the KV cache manager's
 (engine/kv_manager.py): the scheduler asks it for them and never sees the block pool.
@@ -13,6 +17,7 @@ and whose tokens are recomputed when it is admitted again. Blocks are the KV cac
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,6 +70,7 @@ class _Plan:
     token budget left."""
 
     budget: int
+    shared: bool  # requests of more than one group are running or waiting
     chunks: dict[Request, int] = field(default_factory=dict)
     preempted: bool = False
 
@@ -88,6 +94,10 @@ class Scheduler:
     # Most tokens one prefill takes in a step before every other prefill has had its turn
     # (default: half the budget); 0 or less means the default.
     prefill_turn: int = 0
+    # Most prompt positions a request that scores its prompt computes in a step while requests
+    # of other groups are running or waiting: each is a row of vocabulary-wide logits, and the
+    # steps of those others should not grow with the length of the prompt being scored.
+    scoring_turn: int = 256
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
@@ -103,7 +113,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledRequest]:
-        plan = _Plan(self.max_num_batched_tokens)
+        plan = _Plan(self.max_num_batched_tokens, self._shared())
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes:
@@ -112,7 +122,7 @@ class Scheduler:
         for request in prefills:
             if request.status is Status.RUNNING and plan.budget > 0:
                 wanted = request.num_tokens - request.num_computed_tokens
-                num_new = self._chunk(wanted, plan)
+                num_new = self._chunk(request, wanted, plan)
                 if num_new > 0:
                     self._take(request, num_new, plan)
         if not plan.preempted:
@@ -140,16 +150,20 @@ class Scheduler:
 
     def _admit(self, plan: _Plan) -> None:
         prefilling = {r.group_id for r in self.running if r.in_prefill}
+        scoring = {r.group_id for r in self.running if r.scores_prompt}
         i = 0
         while i < len(self.waiting) and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
+            if request.group_id in scoring:
+                i += 1  # the group's output carries the prompt's logprobs: none before they are
+                continue
             computed, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             if request.group_id in prefilling and num_cached < self._shareable_prompt_tokens(
                 request
             ):
                 i += 1  # a sibling is computing the shared prompt: wait, then reuse its blocks
                 continue
-            num_new = self._chunk(request.num_tokens - num_cached, plan)
+            num_new = self._chunk(request, request.num_tokens - num_cached, plan)
             # Beside running requests an admission must leave the watermark's blocks free for
             # them to grow into; an admission to an empty batch may take the whole pool.
             if num_new == 0 or not self._allocate(request, num_new, computed, bool(self.running)):
@@ -159,13 +173,18 @@ class Scheduler:
             plan.add(request, num_new)
             if request.in_prefill:
                 prefilling.add(request.group_id)
+            if request.scores_prompt:
+                scoring.add(request.group_id)
 
     def _top_up(self, plan: _Plan) -> None:
         """Budget that every prefill's turn left over goes to the prefills of the step again,
         in the order they were given (decodes first, then oldest), as far as the free blocks
-        above the watermark go (no preemption for more than a turn)."""
+        above the watermark go (no preemption for more than a turn), and a scoring request's to
+        its `scoring_turn` beside other groups."""
         for request, num_new in list(plan.chunks.items()):
-            extra = min(request.num_tokens - request.num_computed_tokens - num_new, plan.budget)
+            wanted = request.num_tokens - request.num_computed_tokens
+            extra = min(wanted, self._most(request, plan)) - num_new
+            extra = min(extra, plan.budget)
             if extra > 0 and self._allocate(request, num_new + extra, watermark=True):
                 plan.add(request, extra)
 
@@ -185,15 +204,29 @@ class Scheduler:
         bs = self.kv_cache_manager.block_size
         return (request.num_prompt_tokens - 1) // bs * bs
 
-    def _chunk(self, wanted: int, plan: _Plan) -> int:
+    def _chunk(self, request: Request, wanted: int, plan: _Plan) -> int:
         """How many of `wanted` tokens a prefill takes in its turn. Without chunked prefill one
         prompt per step may run whole past the budget (beside the decodes): long prompts never
         wait for an empty batch, and the decodes pay for them with a slow step."""
         if self.enable_chunked_prefill:
-            return min(wanted, plan.budget, self.prefill_turn)
+            return min(wanted, plan.budget, self.prefill_turn, self._most(request, plan))
         if wanted <= plan.budget or not plan.has_prefill():
             return wanted
         return 0
+
+    def _most(self, request: Request, plan: _Plan) -> int:
+        """The most new tokens the request may take in the step (with chunked prefill)."""
+        if plan.shared and request.scores_prompt:
+            return self.scoring_turn
+        return self.max_num_batched_tokens
+
+    def _shared(self) -> bool:
+        groups = set()
+        for request in itertools.chain(self.running, self.waiting):
+            groups.add(request.group_id)
+            if len(groups) > 1:
+                return True
+        return False
 
     def _start(self, request: Request, cached: int) -> None:
         request.num_computed_tokens = cached

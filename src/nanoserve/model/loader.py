@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
@@ -46,9 +46,12 @@ def read_checkpoint(
     """All tensors of a checkpoint under their Hugging Face names, cast to `dtype` on `device`."""
     weights: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except SafetensorError as e:  # a truncated or corrupt file
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
     return weights
 
 

@@ -3,10 +3,12 @@
 Each turn drains the inbox (arrivals and aborts), applies aborts, admits, delivers, then awaits
 one `engine.step` in a named thread: the only line that leaves the event loop. Admission is fair
 between HTTP requests: each one's prompts wait here, and the engine's queue is topped up to the
-batch's free rows round robin across requests, so that one request of many prompts cannot make
-another wait for all of them. With no work it sleeps on the inbox, waking every HEALTH_CHECK_S to
-ask the engine whether it can still step (a tensor-parallel worker may die while nothing runs).
-Owns the Engine, the open requests' deliveries and the snapshot it publishes (`stats`).
+batch's free rows round robin across requests; one request holds at most `group_rows` rows (all
+but a sixteenth of max_num_seqs), so that a request arriving beside one of many prompts finds a
+free row at once instead of waiting for a whole wave of them. With no work it sleeps on the
+inbox, waking every HEALTH_CHECK_S to ask the engine whether it can still step (a
+tensor-parallel worker may die while nothing runs). Owns the Engine, the open requests'
+deliveries, the rows each request holds and the snapshot it publishes (`stats`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from nanoserve.server.stats import ServingStats
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK_S = 1.0  # an idle engine task asks the engine this often whether it still works
+# Batch rows (max_num_seqs) per this many that no one HTTP request may hold: kept for others.
+RESERVED_ROW_SHARE = 16
 
 
 class EngineDead(Exception):
@@ -97,6 +101,10 @@ class EngineTask:
         self._open: dict[str, Delivery] = {}  # requests taken in and not yet finished
         self._queued: OrderedDict[str, deque[Arrival]] = OrderedDict()  # by group, in turn
         self._num_queued = 0
+        max_num_seqs = engine.config.max_num_seqs
+        self.group_rows = max_num_seqs - max_num_seqs // RESERVED_ROW_SHARE
+        self._rows: dict[str, int] = {}  # batch rows each group's admitted requests hold
+        self._admitted: dict[str, tuple[str, int]] = {}  # request id -> (group, rows)
         self._pending: list[RequestOutput] = []  # produced by the last step, not yet delivered
         self.dead: str | None = None  # why the engine stopped serving, once it has
         self.died = trio.Event()  # set with `dead`: `nanoserve serve` exits then
@@ -166,32 +174,48 @@ class EngineTask:
         self._num_queued += 1
 
     def _admit(self) -> None:
-        """Top up the engine's queue to the batch's free rows, one arrival per group in turn."""
+        """Top up the engine's queue to the batch's free rows (a request's n completions take n),
+        one arrival per group in turn, each group below its `group_rows`."""
         stats = self.engine.stats()
         room = self.engine.config.max_num_seqs - stats.running - stats.waiting
-        while self._queued and room > 0:
-            group, arrivals = self._queued.popitem(last=False)
+        while room > 0:
+            group = next((g for g in self._queued if self._rows.get(g, 0) < self.group_rows), None)
+            if group is None:
+                break
+            arrivals = self._queued.pop(group)
             arrival = arrivals.popleft()
             if arrivals:
                 self._queued[group] = arrivals  # to the back of the line
             self._num_queued -= 1
-            room -= 1
             try:
                 self.engine.add_request(
                     arrival.request_id, arrival.prompt_token_ids, arrival.params,
                     arrival.arrival_time,
                 )  # fmt: skip
-                self.metrics.on_arrival(len(arrival.prompt_token_ids))
             except Exception as e:  # a rejected arrival fails only its own caller
                 del self._open[arrival.request_id]
                 arrival.delivery.fail(e)
+                continue
+            self.metrics.on_arrival(len(arrival.prompt_token_ids))
+            room -= arrival.params.n
+            self._rows[group] = self._rows.get(group, 0) + arrival.params.n
+            self._admitted[arrival.request_id] = (group, arrival.params.n)
         self._publish()
+
+    def _release(self, request_id: str) -> None:
+        """A request left the engine (finished or aborted): its group's rows are free."""
+        group, rows = self._admitted.pop(request_id, (None, 0))
+        if group is not None:
+            self._rows[group] -= rows
+            if not self._rows[group]:
+                del self._rows[group]
 
     def _abort(self, request_id: str) -> None:
         # Whatever the last step produced for it is moot: its caller has gone.
         self._pending = [o for o in self._pending if o.request_id != request_id]
         self._open.pop(request_id, None)
         queued = self._unqueue(request_id)
+        self._release(request_id)
         if self.engine.abort(request_id) is not None or queued:
             self.metrics.on_abort(request_id)
         self._publish()
@@ -226,6 +250,9 @@ class EngineTask:
             self._fail_all(f"{type(e).__name__}: {e}")
             return
         self.steps += 1
+        for output in outputs:
+            if output.finished:
+                self._release(output.request_id)
         self._pending.extend(outputs)
         self._publish()
         self.metrics.on_step(self.stats)
@@ -238,6 +265,8 @@ class EngineTask:
         self.engine.abort_all()
         self._queued.clear()
         self._num_queued = 0
+        self._rows.clear()
+        self._admitted.clear()
         for delivery in self._open.values():
             delivery.fail(RequestFailed(reason))
         self._open.clear()

@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20
 MAX_SEQUENCES = 256  # prompts x n in one request: each one is a sequence in the batch
 MAX_STOP = 16  # stop strings in one request (OpenAI allows 4)
 MAX_STOP_CHARS = 4096  # their total length
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids in one request
 # Keys of chat_template_kwargs that the server itself sets: a client may not override them.
 SERVER_TEMPLATE_KEYS = frozenset(
     ["messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
@@ -107,7 +108,7 @@ class _GenerationRequest(_Strict):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
