@@ -60,7 +60,7 @@ def _add_hyperparameters(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
 
 
 # Hugging Face name (after "model.layers.N.") -> GGUF name (after "blk.N."), from model/weights.py.
-LAYER_NAMES = {h: g for _, t in LAYER for h, g in zip(t.hf, t.gguf, strict=True)}
+LAYER_NAMES = {h: g for _, t in LAYER if t.when is None for h, g in zip(t.hf, t.gguf, strict=True)}
 
 
 def _tensors(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
