@@ -2,8 +2,9 @@
 (tied and untied) and Qwen3 (q/k norms, head_dim apart from hidden / heads) checkpoints written by
 transformers give its greedy ids (with prefix caching, preemption and chunked prefill, batch 1 on
 the layer-by-layer path, at two ranks) and its prompt logprobs; linear and YaRN RoPE scaling do
-too. Every config key, tensor, dtype and shape nanoserve does not implement is a one-line
-refusal naming it, from LLM(...) and from `nanoserve generate` (exit status 2)."""
+too, and GGUF files of each family (architectures llama, qwen2, qwen3, the qwen2 pre-tokenizer).
+Every config key, tensor, dtype and shape nanoserve does not implement is a one-line refusal
+naming it, from LLM(...) and from `nanoserve generate` (exit status 2)."""
 
 import json
 import logging
@@ -16,7 +17,10 @@ from safetensors.torch import load_file, save_file
 from test_oracle import MAX_TOKENS, _ours, _prompts
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.demo import CORPUS
 from nanoserve.model.config import CheckpointError
+from nanoserve.model.gguf_file import GGUFCheckpoint
+from nanoserve.testing.gguf_writer import write_gguf
 from nanoserve.testing.hf_families import write_family_checkpoint
 
 FAMILIES = {
@@ -162,6 +166,37 @@ def test_model_type_llama_without_architectures_loads(tiny_model_dir, tmp_path):
     _edit_config(model_dir, architectures=None)
     prompts = _prompts(500)[:2]
     assert _ours(model_dir, prompts)[0] == _reference(model_dir, prompts)
+
+
+@pytest.mark.parametrize("name", ["llama-biases", "qwen2", "qwen2-tied", "qwen3-biases"])
+def test_a_gguf_of_each_family_equals_transformers(family_dir, tmp_path, name):
+    """llama.cpp's layout: a llama's Q and K rows (and biases) interleaved, qwen2's and qwen3's
+    as they are; biases and q/k norms under their GGUF names."""
+    model_dir, prompts = family_dir(name), _prompts(500)
+    family = FAMILIES[name][0]
+    path = write_gguf(model_dir, tmp_path / "m.gguf", architecture=family)
+    assert GGUFCheckpoint(path).config.family == family
+    assert _ours(path, prompts)[0] == _reference(model_dir, prompts)
+
+
+def test_a_qwen2_gguf_reads_as_transformers_reads_it(family_dir, tmp_path):
+    """transformers' own GGUF reader (an independent one) on the same file: the same tensors,
+    and the same ids from the qwen2 pre-tokenizer (digits one by one)."""
+    import transformers
+
+    path = write_gguf(family_dir("qwen2"), tmp_path / "m.gguf", architecture="qwen2", pre="qwen2")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    )
+    expected, checkpoint = hf.state_dict(), GGUFCheckpoint(path)
+    ours = checkpoint.read_tensors(torch.float32, "cpu")
+    assert sorted(ours) == sorted(expected)
+    assert all(torch.equal(t, expected[name]) for name, t in ours.items())
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    tokenizer = checkpoint.tokenizer()
+    for text in [*CORPUS.splitlines(), "12345 apples on 2026-12-02, it's 3.14!"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
 
 
 # -- refusals: one line naming the key or the tensor -------------------------------------------
