@@ -327,3 +327,22 @@ def test_generate_refuses_in_one_line(family_dir, tmp_path, name):
     assert len(lines) == 1 and lines[0].startswith("nanoserve: "), result.stderr
     assert all(w in lines[0] for w in words), lines[0]
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("key,value", [("expert_count", 4), ("attention.sliding_window", 16)])
+def test_gguf_metadata_not_implemented_is_refused_by_name(
+    family_dir, tmp_path, monkeypatch, key, value
+):
+    from nanoserve.testing import gguf_writer
+
+    add = gguf_writer._add_hyperparameters
+
+    def with_key(w, cfg):
+        add(w, cfg)
+        w.add_uint32(f"qwen2.{key}", value)
+
+    monkeypatch.setattr(gguf_writer, "_add_hyperparameters", with_key)
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(family_dir("qwen2"), tmp_path / "m.gguf", architecture="qwen2")
+    with pytest.raises(ValueError, match=f"m.gguf: qwen2.{key} = {value} is not implemented"):
+        LLM(str(path))

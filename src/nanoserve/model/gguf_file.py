@@ -112,6 +112,7 @@ class GGUFCheckpoint:
         heads = self._get("attention.head_count")
         hidden = self._get("embedding_length")
         head_dim = self._get("attention.key_length") or hidden // heads
+        self._check_refused(head_dim)
         eos = [self.meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         arch, has = self.meta["general.architecture"], self.tensors.__contains__
         return ModelConfig(
@@ -133,6 +134,22 @@ class GGUFCheckpoint:
             mlp_bias=has("blk.0.ffn_down.bias"),
             qk_norm=arch == "qwen3",
         )
+
+    def _check_refused(self, head_dim: int) -> None:
+        """Refuse, naming the key, metadata that would make another model than the one run."""
+        changes = {
+            "rope.dimension_count": (self._get("rope.dimension_count", head_dim), head_dim),
+            "attention.value_length": (self._get("attention.value_length", head_dim), head_dim),
+            "expert_count": (self._get("expert_count", 0), 0),
+            "attention.sliding_window": (self._get("attention.sliding_window"), None),
+            "attention.clamp_kqv": (self._get("attention.clamp_kqv"), None),
+        }
+        for key, (value, implemented) in changes.items():
+            if value != implemented:
+                raise GGUFError(
+                    f"{self.path.name}: {self.meta['general.architecture']}.{key} = {value!r} is "
+                    f"not implemented (nanoserve runs {implemented!r})"
+                )
 
     def _rope(self, head_dim: int) -> RopeConfig:
         """The rope base, and per-frequency divisors: Llama 3.1's `rope_freqs` tensor, times a
