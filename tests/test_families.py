@@ -1,13 +1,12 @@
 """The families as options of one decoder: random Llama (with attention and MLP biases), Qwen2
 (tied and untied) and Qwen3 (q/k norms, head_dim apart from hidden / heads) checkpoints written by
-transformers give its greedy ids (with prefix caching, preemption and chunked prefill, batch 1 on
-the layer-by-layer path, at two ranks) and its prompt logprobs; linear and YaRN RoPE scaling do
+transformers give its greedy ids (with prefix caching, preemption and chunked prefill, batch 1 in
+the one-call C step, at two ranks) and its prompt logprobs; linear and YaRN RoPE scaling do
 too, and GGUF files of each family (architectures llama, qwen2, qwen3, the qwen2 pre-tokenizer).
 Every config key, tensor, dtype and shape nanoserve does not implement is a one-line refusal
 naming it, from LLM(...) and from `nanoserve generate` (exit status 2)."""
 
 import json
-import logging
 import subprocess
 import sys
 
@@ -88,15 +87,27 @@ def test_greedy_equals_transformers(family_dir, name, engine_args):
     assert ours == _reference(model_dir, prompts)
 
 
-@pytest.mark.parametrize("name", ["llama-biases", "qwen3"])
-def test_batch_one_decodes_layer_by_layer_and_say_why(family_dir, name, caplog):
-    """The one-call C step has no biases or q/k norms: such a family decodes layer by layer,
-    and the log says so."""
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_one_decodes_in_the_one_call_c_step(family_dir, name, dtype):
+    """Biases and q/k norms are fields of the C step: every family decodes in one call per step,
+    the same ids as layer by layer (float32: as transformers)."""
+    from nanoserve.kernels import c_backend
+
+    if not c_backend.enabled():
+        pytest.skip("no C kernels here")
     model_dir, prompts = family_dir(name), _prompts(500)[:2]
-    with caplog.at_level(logging.INFO, logger="nanoserve.engine.model_runner"):
-        ours = [_ours(model_dir, [p])[0][0] for p in prompts]
-    assert "not the one-call C step" in caplog.text
-    assert ours == _reference(model_dir, prompts)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(str(model_dir), dtype=dtype)
+    assert llm.engine.runner.cpu_step is not None
+    ours = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+                 .outputs[0].token_ids) for p in prompts]  # fmt: skip
+    llm.engine.runner.cpu_step = None  # the layer-by-layer path
+    layered = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+                    .outputs[0].token_ids) for p in prompts]  # fmt: skip
+    assert ours == layered
+    if dtype == "float32":
+        assert ours == _reference(model_dir, prompts)
 
 
 def test_plain_llama_keeps_the_one_call_c_step(tiny_model_dir):

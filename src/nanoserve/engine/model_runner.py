@@ -63,11 +63,6 @@ class ModelRunner:
         self.cpu_step: CpuDecodeStep | None = None
         if not on_cuda and parallel.size == 1 and CpuDecodeStep.supported(layers):
             self.cpu_step = CpuDecodeStep(layers, mc)
-        elif not on_cuda and CpuDecodeStep.unsupported(layers):
-            log.info(
-                "decode: layer by layer, not the one-call C step, which has no %s (%s)",
-                ", ".join(CpuDecodeStep.unsupported(layers)), mc.family,
-            )  # fmt: skip
         self.block_bytes = block_bytes(
             mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size,
             config.torch_dtype,

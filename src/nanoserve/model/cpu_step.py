@@ -4,8 +4,8 @@ Llama._layers makes about 25 Python calls per layer; at batch 1 on the 25M bench
 cost more than half a millisecond a step beside ~3 ms of weight reading. The C step
 (kernels/csrc/decode_step.c) runs the same kernels (RMSNorm, GEMV, RoPE, KV store, paged
 attention) back to back, so a decode step returns to Python once. Prefill chunks, larger batches,
-other devices and dtypes take the layer-by-layer path, and so do the families' options (biases,
-Qwen3's q/k norms), which the C step does not have (`unsupported` says which).
+other devices and dtypes take the layer-by-layer path. A family's options (biases, Qwen3's q/k
+norms) are fields of the C step too, a null pointer where the model has none.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import torch
 from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedWeight, c_backend
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.config import ModelConfig
-from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices, options
+from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-# The fields of the C step's struct layer_weights: the tensors every family has.
-C_FIELDS = tuple(name for name, t in LAYER if t.when is None)
 
 
 class CpuDecodeStep:
@@ -31,22 +29,14 @@ class CpuDecodeStep:
         self.config = config
         self.scale = 1.0 / math.sqrt(config.head_dim)
         # Per layer, each weight by its name (a field of the C step's struct layer_weights).
-        self.weights = [{name: _stored(getattr(x, name)) for name in C_FIELDS} for x in layers]
+        self.weights = [{name: _stored(getattr(x, name)) for name, _ in LAYER} for x in layers]
         self._caches: list[torch.Tensor] = []  # the cache tensors behind self._table
         self._table: object = None
 
     @staticmethod
-    def unsupported(layers: list[LayerWeights]) -> list[str]:
-        """The options of the model's family (model/weights.py) that the C step lacks."""
-        return options(layers[0]) if layers else []
-
-    @staticmethod
     def supported(layers: list[LayerWeights]) -> bool:
         """Every matrix takes the C GEMV (CPU, float32 or bfloat16, C kernels on) or is kept in
-        GGUF blocks (then with float32 activations), and the family has no option the C step
-        lacks."""
-        if CpuDecodeStep.unsupported(layers):
-            return False
+        GGUF blocks (then with float32 activations)."""
         ms = [m for layer in layers for m in matrices(layer)]
         blocks = any(isinstance(m.weight, QuantizedWeight) for m in ms)
         floats_ok = all(m.gemv or isinstance(m.weight, QuantizedWeight) for m in ms)
@@ -125,8 +115,11 @@ class CpuDecodeStep:
         return self._table
 
 
-def _stored(w: torch.Tensor | Matrix) -> tuple[int, int]:
-    """(data pointer, format) of a weight: format 0 for floats, else its GGML type id."""
+def _stored(w: torch.Tensor | Matrix | None) -> tuple[int, int]:
+    """(data pointer, format) of a weight: format 0 for floats, else its GGML type id; (0, 0)
+    for an option the model does not have."""
+    if w is None:
+        return 0, 0
     t = w if isinstance(w, torch.Tensor) else w.weight
     if isinstance(t, QuantizedWeight):
         return t.data.data_ptr(), c_backend.QTYPE_CODES[t.qtype]

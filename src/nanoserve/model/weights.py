@@ -4,7 +4,8 @@ fused matrix lists its parts, stacked by rows), its shape in terms of the config
 parallelism cuts it and what it is (a matrix or an embedding, in floats or GGUF blocks; a norm; a
 bias), and for a family's option (a bias, Qwen3's q/k norms) which config flag makes it present.
 The loader, the sharder, the GGUF reader and the one-call C step (whose struct layer_weights has
-the fields that are always present) iterate `LAYER` and `MODEL` rather than spelling the order.
+the same fields, an absent option a null pointer) iterate `LAYER` and `MODEL` rather than
+spelling the order.
 """
 
 from __future__ import annotations
@@ -172,8 +173,3 @@ def names(prefix: str, t: Tensor) -> list[str]:
 def matrices(layer: LayerWeights) -> list[Matrix]:
     """A layer's matrices, in order."""
     return [getattr(layer, name) for name, t in LAYER if t.kind == "matrix"]
-
-
-def options(layer: LayerWeights) -> list[str]:
-    """The fields of a family's options (model/weights.py's `when`) that this layer has."""
-    return [name for name, t in LAYER if t.when is not None and getattr(layer, name) is not None]
