@@ -191,8 +191,8 @@ def _one_tensor_file(path: Path, architecture: str, qtype: gguf.GGMLQuantization
 
 def test_what_is_not_supported_is_refused_by_name(tiny_model_dir, tmp_path):
     cache = tmp_path / "cache"
-    other = _one_tensor_file(tmp_path / "qwen.gguf", "qwen2", gguf.GGMLQuantizationType.F32)
-    assert "architecture 'qwen2' is not supported" in _refusal(other, cache)
+    other = _one_tensor_file(tmp_path / "gemma.gguf", "gemma3", gguf.GGMLQuantizationType.F32)
+    assert "architecture 'gemma3' is not supported" in _refusal(other, cache)
     q2k = _one_tensor_file(tmp_path / "q2k.gguf", "llama", gguf.GGMLQuantizationType.Q2_K)
     line = _refusal(q2k, cache)
     assert "token_embd.weight is of type Q2_K, which is not supported" in line
@@ -207,9 +207,9 @@ def test_what_is_not_supported_is_refused_by_name(tiny_model_dir, tmp_path):
 def test_an_unsupported_pre_tokenizer_is_refused_by_name(tiny_model_dir, tmp_path):
     path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
     data = path.read_bytes()
-    path.write_bytes(data.replace(b"gpt-2", b"qwen2", 1))  # tokenizer.ggml.pre, same length
+    path.write_bytes(data.replace(b"gpt-2", b"bloom", 1))  # tokenizer.ggml.pre, same length
     line = _refusal(path, tmp_path / "cache")
-    assert "pre-tokenizer 'qwen2' is not supported" in line
+    assert "pre-tokenizer 'bloom' is not supported" in line
 
 
 def test_the_parsed_metadata_is_cached_and_renewed_when_the_file_changes(

@@ -139,7 +139,7 @@ def test_the_loader_lists_and_cuts_what_the_description_says_and_refuses_a_wrong
     raw = {"model.embed_tokens.weight": torch.randn(c.vocab_size, HIDDEN, generator=g),
            "lm_head.weight": torch.randn(c.vocab_size, HIDDEN, generator=g),
            "model.norm.weight": torch.ones(HIDDEN)}  # fmt: skip
-    for prefix, _, t in listed(c.num_layers):
+    for prefix, _, t in listed(c):
         if t.parts is not None:
             for name, shape in zip(t.hf, t.parts(c), strict=True):
                 raw[f"{prefix}{name}.weight"] = torch.randn(shape, generator=g)

@@ -458,13 +458,18 @@ def _caches(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) for _ in range(2 * LAYERS)]
 
 
+# A family's options (biases, q/k norms): absent, a null pointer.
+OPTIONS = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm")
+
+
 def _layers(matrices, norms, caches) -> list[dict]:
-    """layer_table's dicts: the norms and caches as floats, the matrices as given."""
+    """layer_table's dicts: the norms and caches as floats, the matrices as given, no options."""
     return [
         {
             "input_norm": (norms[i][0].data_ptr(), 0),
             "post_norm": (norms[i][1].data_ptr(), 0),
             **dict(zip(MATRICES, matrices[i], strict=True)),
+            **dict.fromkeys(OPTIONS, (0, 0)),
             "k_cache": (caches[2 * i].data_ptr(), 0),
             "v_cache": (caches[2 * i + 1].data_ptr(), 0),
         }
@@ -547,8 +552,8 @@ def test_decode_step_refuses_bad_formats_and_fields():
     with pytest.raises(ValueError, match=r"layers\[1\] has no down"):
         c_backend.layer_table(layers)
     layers = _layers(ours, norms, caches)
-    layers[0]["bias"] = (0, 0)
-    with pytest.raises(ValueError, match=r"layers\[0\] has 9 fields; .* layer_weights has 8"):
+    layers[0]["extra"] = (0, 0)
+    with pytest.raises(ValueError, match=r"layers\[0\] has 15 fields; .* layer_weights has 14"):
         c_backend.layer_table(layers)
     with pytest.raises(ValueError, match=r"layers\[0\]\.qkv is in GGUF blocks \(format 3\), which"):
         _run_step(h.bfloat16(), ours, norms, caches, 1)

@@ -4,8 +4,10 @@
  * It does what Llama._layers (src/nanoserve/model/llama.py) does layer by layer, with the same C
  * kernels (RMSNorm, GEMV, RoPE, KV store, paged attention), but without returning to Python
  * between ops: at batch 1 a step is a few milliseconds of weight reading, and a return to the
- * interpreter per op would add a sizeable share of it. SwiGLU and the residual adds are the only
- * arithmetic of its own; each result is rounded to the model dtype where torch would round it.
+ * interpreter per op would add a sizeable share of it. SwiGLU, the biases and the residual adds
+ * are the only arithmetic of its own; each result is rounded to the model dtype where torch would
+ * round it. A family's options (biases; Qwen3's RMSNorm of each q and k head) are fields whose
+ * data is NULL where the model has none.
  *
  * Each layer comes as a struct layer_weights, its weights by name (the fields of
  * src/nanoserve/model/weights.py's LayerWeights) and its KV cache, filled once by layer_table from
@@ -35,6 +37,7 @@ typedef struct {
  * cache, k_cache and v_cache [num_blocks, kv_heads, block_size, head_dim] of the step's dtype. */
 typedef struct {
     step_tensor input_norm, qkv, o, post_norm, gate_up, down;
+    step_tensor qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm; /* NULL: absent */
     step_tensor k_cache, v_cache;
 } layer_weights;
 
@@ -50,6 +53,12 @@ static const struct {
     {"post_norm", offsetof(layer_weights, post_norm), 0},
     {"gate_up", offsetof(layer_weights, gate_up), 1},
     {"down", offsetof(layer_weights, down), 1},
+    {"qkv_bias", offsetof(layer_weights, qkv_bias), 0},
+    {"o_bias", offsetof(layer_weights, o_bias), 0},
+    {"gate_up_bias", offsetof(layer_weights, gate_up_bias), 0},
+    {"down_bias", offsetof(layer_weights, down_bias), 0},
+    {"q_norm", offsetof(layer_weights, q_norm), 0},
+    {"k_norm", offsetof(layer_weights, k_norm), 0},
     {"k_cache", offsetof(layer_weights, k_cache), 0},
     {"v_cache", offsetof(layer_weights, v_cache), 0},
 };
@@ -101,6 +110,30 @@ static void add_into(void *h, const void *add, Py_ssize_t n, int dtype) {
         ns_store(h, i, ns_load(h, i, dtype) + ns_load(add, i, dtype), dtype);
 }
 
+/* x[r, i] += bias[i] for rows r of n values, rounded like torch's add_; nothing where the model
+ * has no such bias. */
+static void add_bias(void *x, const step_tensor *bias, Py_ssize_t rows, Py_ssize_t n, int dtype) {
+    if (!bias->data) return;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        for (Py_ssize_t i = 0; i < n; i++)
+            ns_store(x, r * n + i, ns_load(x, r * n + i, dtype) + ns_load(bias->data, i, dtype),
+                     dtype);
+}
+
+/* Qwen3: RMSNorm, in place, of each q head and each k head of every qkv row (one weight
+ * [head_dim] for all heads); nothing where the model has no q_norm. */
+static void norm_heads(const step_args *s, void *qkv, const layer_weights *w) {
+    if (!w->q_norm.data) return;
+    const size_t es = ns_dtype_size(s->dtype);
+    const Py_ssize_t D = s->head_dim, q_width = s->heads * D;
+    const Py_ssize_t qkv_width = q_width + 2 * s->kv_heads * D;
+    for (Py_ssize_t r = 0; r < s->rows; r++) {
+        char *q = (char *)qkv + (size_t)(r * qkv_width) * es, *k = q + (size_t)q_width * es;
+        nanoserve_rms_norm_rows(q, q, w->q_norm.data, s->heads, D, s->eps, s->dtype, 1);
+        nanoserve_rms_norm_rows(k, k, w->k_norm.data, s->kv_heads, D, s->eps, s->dtype, 1);
+    }
+}
+
 /* act[r, i] = silu(gate[r, i]) * up[r, i] of gate_up rows [gate | up], rounded like torch's
  * F.silu(gate) * up. */
 static void silu_mul(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
@@ -147,13 +180,16 @@ static void split_qkv(const step_args *s, const step_scratch *b, const kv_cache 
     }
 }
 
-/* The attention half of layer w: h += o_proj(attention(rope(qkv_proj(input_norm(h))))). */
+/* The attention half of layer w: h += o_proj(attention(rope(qkv_proj(input_norm(h))))), with
+ * the biases and q/k norms the model has. */
 static int attention_half(const step_args *s, const step_scratch *b, const layer_weights *w) {
     const Py_ssize_t M = s->rows, H = s->hidden, D = s->head_dim, q_width = s->heads * D;
     const Py_ssize_t qkv_width = q_width + 2 * s->kv_heads * D;
     int rc = 0;
     nanoserve_rms_norm_rows(b->x, s->h, w->input_norm.data, M, H, s->eps, s->dtype, s->threads);
     rc |= matmul(s, &w->qkv, b->qkv, b->x, qkv_width, H);
+    add_bias(b->qkv, &w->qkv_bias, M, qkv_width, s->dtype);
+    norm_heads(s, b->qkv, w);
     nanoserve_rope_rows(b->qkv, s->positions, s->cos, s->sin, M, s->heads + s->kv_heads, D,
                         qkv_width, s->dtype, s->threads);
     decode_args a = s->attn;
@@ -166,6 +202,7 @@ static int attention_half(const step_args *s, const step_scratch *b, const layer
     a.v = c.v_cache;
     rc |= nanoserve_decode_attention(&a, s->threads);
     rc |= matmul(s, &w->o, b->o, b->attn, H, q_width);
+    add_bias(b->o, &w->o_bias, M, H, s->dtype);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }
@@ -176,8 +213,10 @@ static int mlp_half(const step_args *s, const step_scratch *b, const layer_weigh
     int rc = 0;
     nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
     rc |= matmul(s, &w->gate_up, b->gate_up, b->x, 2 * I, H);
+    add_bias(b->gate_up, &w->gate_up_bias, M, 2 * I, s->dtype);
     silu_mul(b->act, b->gate_up, M, I, s->dtype);
     rc |= matmul(s, &w->down, b->o, b->act, H, I);
+    add_bias(b->o, &w->down_bias, M, H, s->dtype);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }

@@ -21,6 +21,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def _gpt2() -> pre_tokenizers.PreTokenizer:
@@ -31,6 +32,16 @@ def _llama3() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _qwen2() -> pre_tokenizers.PreTokenizer:
+    # Llama 3's split, but one digit at a time (Qwen2's tokenizer.json and llama.cpp).
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -48,6 +59,7 @@ PRE_TOKENIZERS = {
     "gpt-2": (_gpt2, False),
     "gpt2": (_gpt2, False),
     "llama-bpe": (_llama3, True),
+    "qwen2": (_qwen2, False),
     "llama3": (_llama3, True),
     "llama-v3": (_llama3, True),
     "smollm": (_smollm, False),

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from nanoserve.model.config import CheckpointError, ModelConfig
-from nanoserve.model.loader import checkpoint_files, read_checkpoint
+from nanoserve.model.loader import check_tensors, read_checkpoint
 from nanoserve.model.quantized import Weight
 from nanoserve.tokenizer import Tokenizer
 
@@ -35,15 +35,16 @@ class Checkpoint(Protocol):
 
 class HFCheckpoint:
     def __init__(self, path: str | Path) -> None:
-        """Reads config.json and checks that the tokenizer and the weights are there, so that a
-        broken directory is refused before anything loads."""
+        """Reads config.json and checks that the tokenizer and the weights are there, and the
+        weights' names, dtypes and shapes, so that a broken directory is refused before anything
+        loads."""
         self.path = Path(path)
         self.config = ModelConfig.from_dir(self.path)
         if not (self.path / "tokenizer.json").is_file():
             raise FileNotFoundError(
                 f"{self.path}: no tokenizer.json (nanoserve reads Hugging Face fast tokenizers)"
             )
-        checkpoint_files(self.path)
+        check_tensors(self.path, self.config)
 
     def tokenizer(self) -> Tokenizer:
         try:

@@ -1,17 +1,23 @@
 """What a checkpoint says about its model: `ModelConfig` from a Hugging Face `config.json` (both
 the `rope_theta` + `rope_scaling` layout of the published Llama-3.2 checkpoints and the newer
 `rope_parameters` layout), every field checked here: a `CheckpointError` names the file and the
-field. Frozen; imports no torch, so the command line checks a checkpoint before torch loads.
+field. The families (Llama, Qwen2, Qwen3) are options of one decoder; a key that would change
+the computation in a way nanoserve does not implement is refused by name. Frozen; imports no
+torch, so the command line checks a checkpoint before torch loads.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# architectures entry -> model_type: the families the one decoder runs.
+FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,12 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] | None = None  # GGUF: each frequency divided by its factor
+    # YaRN (rope_type "yarn"): the band between beta_slow and beta_fast rotations is blended from
+    # interpolated to kept frequencies; cos and sin are scaled by attention_factor.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,11 @@ class ModelConfig:
     rope: RopeConfig
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
+    family: str = "llama"  # a model_type of FAMILIES
+    qkv_bias: bool = False  # q, k and v projections add a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # the output projection adds one (Llama's attention_bias)
+    mlp_bias: bool = False  # gate, up and down add one (Llama's mlp_bias)
+    qk_norm: bool = False  # RMSNorm of each head of q and of k before RoPE (Qwen3)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -58,16 +75,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Raises ValueError naming the config.json key that is missing or out of range."""
-        _check_architecture(d)
+        """Raises ValueError naming the config.json key that is missing or out of range, or
+        that asks for what nanoserve does not implement."""
+        family = _family(d)
+        _check_refused(d, family)
         hidden, num_heads = _positive_int(d, "hidden_size"), _positive_int(d, "num_attention_heads")
         num_kv_heads = _positive_int(d, "num_key_value_heads", num_heads)
+        attention_bias = family != "qwen2" and _bool(d, "attention_bias", False)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        if d.get("head_dim") is None and hidden % num_heads:
+        head_dim_default = 128 if family == "qwen3" else None  # Qwen3Config's default
+        if d.get("head_dim") is None and head_dim_default is None and hidden % num_heads:
             raise ValueError(
                 f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({num_heads}) "
                 "when head_dim is not given"
@@ -79,12 +100,17 @@ class ModelConfig:
             num_layers=_positive_int(d, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=_positive_int(d, "head_dim", hidden // num_heads),
-            rms_norm_eps=_positive_number(d, "rms_norm_eps", 1e-5),
+            head_dim=_positive_int(d, "head_dim", head_dim_default or hidden // num_heads),
+            rms_norm_eps=_positive_number(d, "rms_norm_eps", 1e-6),
             max_position_embeddings=_positive_int(d, "max_position_embeddings", 2048),
             rope=_rope_config(d),
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             eos_token_ids=tuple(_as_ids(d.get("eos_token_id"))),
+            family=family,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=family == "llama" and _bool(d, "mlp_bias", False),
+            qk_norm=family == "qwen3",
         )
 
 
@@ -114,15 +140,52 @@ def _generation_eos(file: Path) -> list[int]:
         raise CheckpointError(f"{file}: {e}") from None
 
 
-def _check_architecture(d: dict[str, Any]) -> None:
-    architectures = d.get("architectures") or [d.get("model_type", "unknown")]
-    if not isinstance(architectures, list):
-        raise ValueError(f"architectures must be a list, got {architectures!r}")
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+def _family(d: dict[str, Any]) -> str:
+    """The model_type of the first architecture nanoserve runs (or of model_type alone, where the
+    config lists no architectures)."""
+    architectures = d.get("architectures")
+    if architectures is None:
+        model_type = d.get("model_type")
+        if model_type in FAMILIES.values():
+            return str(model_type)
+        architectures = [model_type or "unknown"]
+    if not isinstance(architectures, list) or not architectures:
+        raise ValueError(f"architectures must be a non-empty list, got {architectures!r}")
+    for a in architectures:
+        if a in FAMILIES:
+            return FAMILIES[a]
+    raise ValueError(
+        f"unsupported architecture {architectures[0]!r}: nanoserve runs "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _check_refused(d: dict[str, Any], family: str) -> None:
+    """Refuse, naming the key, what would compute another model than the one implemented."""
+    if d.get("quantization_config") is not None:
+        method = d["quantization_config"]
+        method = method.get("quant_method", "?") if isinstance(method, dict) else method
         raise ValueError(
-            f"unsupported architecture {architectures[0]!r}: nanoserve runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 3.x) only"
+            f"quantization_config ({method}) is not supported: nanoserve loads float32, "
+            "bfloat16 and float16 checkpoints (and GGUF files)"
         )
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not implemented (nanoserve runs silu)")
+    layer_types = d.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise ValueError(f"layer_types must be a list, got {layer_types!r}")
+    sliding = [t for t in layer_types if t != "full_attention"]
+    if sliding:
+        raise ValueError(f"layer_types {sliding[0]!r} is not implemented (full_attention only)")
+    if d.get("use_sliding_window"):
+        layers = d.get("num_hidden_layers", 0)
+        if d.get("sliding_window") is not None and layers > d.get("max_window_layers", 0):
+            raise ValueError(
+                "use_sliding_window is not implemented (sliding-window attention; "
+                f"sliding_window {d['sliding_window']}, max_window_layers "
+                f"{d.get('max_window_layers')})"
+            )
 
 
 def _positive_int(d: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -168,20 +231,68 @@ def _rope_config(d: dict[str, Any]) -> RopeConfig:
     theta = _positive_number(d, "rope_theta", 10000.0)
     theta = _positive_number(params, "rope_theta", theta, section)
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"unsupported rope_type {rope_type!r}: expected 'default' or 'llama3'")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"{section}rope_type {rope_type!r} is not implemented "
+            f"(nanoserve runs {', '.join(ROPE_TYPES)})"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{section}partial_rotary_factor is not implemented (only 1.0)")
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    factor = _positive_number(params, "factor", section=section)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+    if rope_type == "yarn":
+        return _yarn(d, params, theta, factor, section)
     return RopeConfig(
         theta=theta,
         rope_type="llama3",
-        factor=_positive_number(params, "factor", section=section),
+        factor=factor,
         low_freq_factor=_positive_number(params, "low_freq_factor", 1.0, section),
         high_freq_factor=_positive_number(params, "high_freq_factor", 4.0, section),
         original_max_position_embeddings=int(
             _positive_number(params, "original_max_position_embeddings", 8192, section)
         ),
     )
+
+
+def _yarn(
+    d: dict[str, Any], params: dict[str, Any], theta: float, factor: float, section: str
+) -> RopeConfig:
+    """YaRN's parameters, with transformers' defaults: the original context from the config's
+    top level, else the section, else max_position_embeddings; the attention factor from
+    `mscale` and `mscale_all_dim` where both are given, else 0.1 ln(factor) + 1."""
+    original = d.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings"
+    )
+    original = original or d.get("max_position_embeddings") or 2048
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _mscale(factor, 1.0)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"{section}truncate must be true or false, got {truncate!r}")
+    return RopeConfig(
+        theta=theta,
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=_positive_number(
+            {"attention_factor": attention_factor}, "attention_factor", section=section
+        ),
+        truncate=truncate,
+    )
+
+
+def _mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _as_ids(value: Any) -> list[int]:

@@ -4,7 +4,8 @@ The layer-by-layer path makes about 25 Python calls per layer; at batch 1, where
 milliseconds of weight reading, their overhead is a sizeable share of it. The C step
 (kernels/csrc/decode_step.c) runs the same kernels (RMSNorm, GEMV, RoPE, KV store, paged
 attention) back to back, so a decode step returns to Python once. Prefill chunks, larger batches,
-other devices and dtypes take the layer-by-layer path.
+other devices and dtypes take the layer-by-layer path. A family's options (biases, Qwen3's q/k
+norms) are fields of the C step too, a null pointer where the model has none.
 """
 
 from __future__ import annotations
@@ -114,8 +115,11 @@ class CpuDecodeStep:
         return self._table
 
 
-def _stored(w: torch.Tensor | Matrix) -> tuple[int, int]:
-    """(data pointer, format) of a weight: format 0 for floats, else its GGML type id."""
+def _stored(w: torch.Tensor | Matrix | None) -> tuple[int, int]:
+    """(data pointer, format) of a weight: format 0 for floats, else its GGML type id; (0, 0)
+    for an option the model does not have."""
+    if w is None:
+        return 0, 0
     t = w if isinstance(w, torch.Tensor) else w.weight
     if isinstance(t, QuantizedWeight):
         return t.data.data_ptr(), c_backend.QTYPE_CODES[t.qtype]

@@ -1,8 +1,10 @@
 """GGUF checkpoints (llama.cpp's file format), read with the `gguf` package (llama.cpp's own
 reader): the model config from the metadata, the tokenizer it describes, and the tensors
 de-quantized into the engine's dtype under Hugging Face names, with the rows of the Q and K
-projections put back in Hugging Face's order. Architecture `llama` only; any other architecture,
-tensor type or tokenizer is refused by name.
+projections put back in Hugging Face's order (llama's; llama.cpp keeps qwen2's and qwen3's as they
+are). Architectures `llama`, `qwen2` and `qwen3` (the families of model/config.py; a bias is there
+where its tensor is, as llama.cpp loads them); any other architecture, tensor type or tokenizer is
+refused by name.
 
 Parsing the metadata is the slow part of opening a file (1.9 s of SmolLM2-135M's 4.5 s load on
 the development machine: the reader makes a NumPy view per vocabulary entry), so what it yields
@@ -36,7 +38,8 @@ from nanoserve.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType
 DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
 # Kept in their blocks by the CPU kernels: their table of formats (kernels.QUANT_TYPES).
 KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
 INDEX_VERSION = 1
@@ -78,10 +81,12 @@ class GGUFCheckpoint:
         keep_blocks, a matrix in a format the CPU kernels take (KEPT) stays in its blocks."""
         c, weights = self.config, {}
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        permuted = self.meta["general.architecture"] in PERMUTED
         for name, info in self.tensors.items():
             if name == ROPE_FREQS:
                 continue  # in the config's rope factors
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(name.split(".")[-2])
+            heads = heads if permuted else None
             if keep_blocks and Q(info["type"]) in KEPT and len(info["shape"]) == 2:
                 raw = data[info["offset"] : info["offset"] + info["bytes"]]
                 rows = raw.reshape(info["shape"][0], -1)
@@ -107,7 +112,9 @@ class GGUFCheckpoint:
         heads = self._get("attention.head_count")
         hidden = self._get("embedding_length")
         head_dim = self._get("attention.key_length") or hidden // heads
+        self._check_refused(head_dim)
         eos = [self.meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        arch, has = self.meta["general.architecture"], self.tensors.__contains__
         return ModelConfig(
             vocab_size=self._get("vocab_size") or self.index["tokenizer"]["vocab_size"],
             hidden_size=hidden,
@@ -121,7 +128,28 @@ class GGUFCheckpoint:
             rope=self._rope(head_dim),
             tie_word_embeddings="output.weight" not in self.tensors,
             eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+            family=arch,
+            qkv_bias=has("blk.0.attn_q.bias"),
+            o_bias=has("blk.0.attn_output.bias"),
+            mlp_bias=has("blk.0.ffn_down.bias"),
+            qk_norm=arch == "qwen3",
         )
+
+    def _check_refused(self, head_dim: int) -> None:
+        """Refuse, naming the key, metadata that would make another model than the one run."""
+        changes = {
+            "rope.dimension_count": (self._get("rope.dimension_count", head_dim), head_dim),
+            "attention.value_length": (self._get("attention.value_length", head_dim), head_dim),
+            "expert_count": (self._get("expert_count", 0), 0),
+            "attention.sliding_window": (self._get("attention.sliding_window"), None),
+            "attention.clamp_kqv": (self._get("attention.clamp_kqv"), None),
+        }
+        for key, (value, implemented) in changes.items():
+            if value != implemented:
+                raise GGUFError(
+                    f"{self.path.name}: {self.meta['general.architecture']}.{key} = {value!r} is "
+                    f"not implemented (nanoserve runs {implemented!r})"
+                )
 
     def _rope(self, head_dim: int) -> RopeConfig:
         """The rope base, and per-frequency divisors: Llama 3.1's `rope_freqs` tensor, times a

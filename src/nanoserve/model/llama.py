@@ -1,9 +1,12 @@
-"""The Llama forward pass (Llama 3.x: RMSNorm, RoPE with llama3 scaling, GQA, SwiGLU) over packed
-tokens of many sequences and the paged KV cache, as straight-line tensor code in four pieces that
-the runner composes: `embed`, the decoder `layers`, the final `norm` and the `logits` (the CPU's
-one-call decode step can stand in for the layers). Weights come fused and packed from the loader;
-RMSNorm and RoPE are nanoserve.kernels calls (one C call each on the CPU). Under tensor parallelism
-each rank runs its own heads and vocabulary slice, with the collectives of model/parallel.py.
+"""The Llama forward pass (Llama 3.x: RMSNorm, RoPE with llama3, linear or YaRN scaling, GQA,
+SwiGLU) over packed tokens of many sequences and the paged KV cache, as straight-line tensor code
+in four pieces that the runner composes: `embed`, the decoder `layers`, the final `norm` and the
+`logits` (the CPU's one-call decode step can stand in for the layers). The other families are its
+options, present where their weights are (model/weights.py): biases of q/k/v, o and the MLP
+(Qwen2; Llama's attention_bias, mlp_bias) and an RMSNorm of each q and k head (Qwen3). Weights
+come fused and packed from the loader; RMSNorm and RoPE are nanoserve.kernels calls (one C call
+each on the CPU). Under tensor parallelism each rank runs its own heads and vocabulary slice,
+with the collectives of model/parallel.py.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ class Llama:
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         eps = c.rms_norm_eps
         for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
-            qkv = layer.qkv(rms_norm(h, layer.input_norm, eps))
+            qkv = _biased(layer.qkv(rms_norm(h, layer.input_norm, eps)), layer.qkv_bias)
+            if layer.q_norm is not None:
+                _norm_heads(qkv, q_size, layer.q_norm, 0, eps)
+                _norm_heads(qkv, kv_size, layer.k_norm, q_size, eps)
             rope_(qkv, heads + kv_heads, positions, self.cos, self.sin)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.reshape(-1, heads, c.head_dim).contiguous()
@@ -66,9 +72,11 @@ class Llama:
             v = v.reshape(-1, kv_heads, c.head_dim).contiguous()
             a = attention(q, k, v, k_cache, v_cache, meta, self.scale)
             # o and down are row-parallel: each rank's product is a partial sum of the whole.
-            h = h + reduce.all_reduce(layer.o(a.view(-1, q_size)))
-            gate, up = layer.gate_up(rms_norm(h, layer.post_norm, eps)).chunk(2, dim=-1)
-            h = h + reduce.all_reduce(layer.down(F.silu(gate) * up))
+            # A row-parallel bias is added once, to the sum.
+            h = h + _biased(reduce.all_reduce(layer.o(a.view(-1, q_size))), layer.o_bias)
+            gate_up = _biased(layer.gate_up(rms_norm(h, layer.post_norm, eps)), layer.gate_up_bias)
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = h + _biased(reduce.all_reduce(layer.down(F.silu(gate) * up)), layer.down_bias)
         return h
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -82,14 +90,33 @@ class Llama:
         return self.parallel.gather_logits(local, self.config.vocab_size).float()
 
 
+def _biased(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x.add_(bias)
+
+
+def _norm_heads(
+    qkv: torch.Tensor, width: int, weight: torch.Tensor | None, start: int, eps: float
+) -> None:
+    """RMSNorm, in place, of each head of columns [start, start + width) of qkv (Qwen3's q_norm and
+    k_norm: one weight [head_dim] for every head)."""
+    assert weight is not None, "q_norm and k_norm come together"
+    part = qkv[:, start : start + width]
+    normed = rms_norm(part.reshape(-1, weight.shape[0]).contiguous(), weight, eps)
+    part.copy_(normed.view(part.shape))
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.freq_factors is not None:
         return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, rope.theta**exponents, head_dim)
     if rope.rope_type != "llama3":
         return inv_freq
-    # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    # Llama 3.1 frequency scaling: long powers slowed by `factor`, short ones kept, a smooth
     # blend between the two bands.
     old_len = rope.original_max_position_embeddings
     low_wavelen = old_len / rope.low_freq_factor
@@ -104,10 +131,33 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(rope: RopeConfig, powers: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by `factor` (interpolated), those that turn more than beta_fast times kept, a linear
+    ramp over the dimensions between (as transformers computes it)."""
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return 1.0 / (rope.factor * powers) * (1 - kept) + 1.0 / powers * kept
+
+
 def rope_cos_sin(
     rope: RopeConfig, head_dim: int, max_positions: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_positions, head_dim] float32 tables (YaRN's attention factor applied to both)."""
     inv_freq = rope_inv_freq(rope, head_dim)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+    if rope.rope_type == "yarn":
+        return emb.cos() * rope.attention_factor, emb.sin() * rope.attention_factor
     return emb.cos(), emb.sin()

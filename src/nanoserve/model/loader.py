@@ -1,10 +1,12 @@
 """From a checkpoint's tensors to the forward pass's weights, as model/weights.py describes them:
-fuses q/k/v and gate/up into one matrix each, checks each layer tensor's shape, ties the output
+fuses q/k/v and gate/up into one matrix each (and their biases), checks each layer tensor's shape
+and that every tensor is consumed, ties the output
 projection to the embedding where the checkpoint does, keeps this rank's slices under tensor
 parallelism (model/parallel.py), and wraps every matrix in a `Linear` (which packs it for the
 device's fastest matmul) or, for a matrix kept in GGUF blocks, a `QuantLinear`. Where the weights
 live is the caller's choice (`place`). Also reads a Hugging Face checkpoint's safetensors (single
-file or shards). Owns nothing after loading.
+file or shards), and checks their names, dtypes and shapes against the config from the files'
+headers alone (`check_tensors`), before anything loads. Owns nothing after loading.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
 from nanoserve.model.parallel import SINGLE, Parallel, shard
 from nanoserve.model.quantized import QuantizedWeight, QuantLinear, Weight, cat_rows, placed
-from nanoserve.model.weights import LAYER, MODEL, LayerWeights, LlamaWeights, listed
+from nanoserve.model.weights import LAYER, MODEL, LayerWeights, LlamaWeights, listed, names
 
 Placement = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -37,7 +39,7 @@ def load_weights(
     tensors = shard(fuse(raw, config), config, parallel)
     if place is not None:
         tensors = placed(tensors, place)
-    return pack(tensors, config.num_layers)
+    return pack(tensors, config)
 
 
 def read_checkpoint(
@@ -82,11 +84,11 @@ def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
     """Every tensor of the model in `listed` order (model/weights.py), a fused matrix's parts
     stacked by rows, each part's shape checked against the config; a tied output projection is
     the embedding itself. Takes the tensors out of `weights`, so that the separate matrices are
-    freed once fused."""
+    freed once fused. A tensor the model has no use for is refused, naming it."""
     taken: dict[str, Weight] = {}
     out: list[Weight] = []
-    for prefix, name, t in listed(config.num_layers):
-        keys = [f"{prefix}{part}.weight" for part in t.hf]
+    for prefix, name, t in listed(config):
+        keys = names(prefix, t)
         if t.tied_to is not None and keys[0] not in weights:
             if not config.tie_word_embeddings:
                 raise ValueError(f"checkpoint has no {keys[0]} and tie_word_embeddings is false")
@@ -97,7 +99,66 @@ def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
             _check_shapes(keys, parts, t.parts(config))
         taken[name] = parts[0] if len(parts) == 1 else cat_rows(parts)
         out.append(taken[name])
+    unused = [key for key in weights if not key.endswith(IGNORED)]
+    if unused:
+        raise ValueError(f"checkpoint has tensor {unused[0]}, which this model does not use")
     return out
+
+
+# Buffers some checkpoints save that the config already determines (RoPE's frequencies).
+IGNORED = ("rotary_emb.inv_freq",)
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def check_tensors(path: str | Path, config: ModelConfig) -> None:
+    """Every tensor of a safetensors checkpoint is one the config's model has, in floats, of the
+    shape the config makes it, and none is missing; CheckpointError naming the file and the first
+    tensor at fault. Reads the files' headers only."""
+    expected: dict[str, tuple[int, ...] | None] = {}
+    for prefix, _, t in listed(config):
+        shapes = list(t.parts(config)) if t.parts else [None] * len(t.hf)
+        expected.update(zip(names(prefix, t), shapes, strict=True))
+    tied = "lm_head.weight"
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith(IGNORED):
+                    continue
+                _check_tensor(file, name, f.get_slice(name), expected, config)
+                expected.pop(name, None)
+    if config.tie_word_embeddings:
+        expected.pop(tied, None)
+    if expected:
+        missing = next(iter(expected))
+        why = " and tie_word_embeddings is false" if missing == tied else ""
+        raise CheckpointError(f"{path}: checkpoint has no tensor {missing}{why}")
+
+
+def _check_tensor(
+    file: Path, name: str, info: Any, expected: dict[str, tuple[int, ...] | None], c: ModelConfig
+) -> None:
+    if name not in expected:
+        raise CheckpointError(
+            f"{file}: tensor {name} is not part of a {c.family} model with this config.json "
+            "(nanoserve refuses a checkpoint whose tensors it would not all use)"
+        )
+    dtype, shape = info.get_dtype(), tuple(info.get_shape())
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"{file}: tensor {name} is {dtype}: nanoserve loads float32, bfloat16 and float16 "
+            "weights (no quantized safetensors layouts)"
+        )
+    want = expected[name]
+    if want is None:  # an embedding or output projection: [vocab (maybe padded), hidden]
+        if len(shape) != 2 or shape[1] != c.hidden_size or shape[0] < c.vocab_size:
+            raise CheckpointError(
+                f"{file}: tensor {name} has shape {list(shape)}, but the config makes it "
+                f"[{c.vocab_size} or more, {c.hidden_size}]"
+            )
+    elif shape != want:
+        raise CheckpointError(
+            f"{file}: tensor {name} has shape {list(shape)}, but the config makes it {list(want)}"
+        )
 
 
 def _check_shapes(keys: list[str], parts: list[Weight], shapes: list[tuple[int, ...]]) -> None:
@@ -108,14 +169,17 @@ def _check_shapes(keys: list[str], parts: list[Weight], shapes: list[tuple[int, 
             )
 
 
-def pack(tensors: list[Weight], num_layers: int) -> LlamaWeights:
+def pack(tensors: list[Weight], config: ModelConfig) -> LlamaWeights:
     """The flat list from `fuse` as LlamaWeights: every matrix a Linear (or QuantLinear), an
-    embedding as it is, a norm's weight a float tensor."""
+    embedding as it is, a norm's weight or a bias a float tensor; an option the config's model
+    has not stays None."""
     it = iter(tensors)
     own = {name: _kept(t.kind, next(it)) for name, t in MODEL}
+    present = [name for name, t in LAYER if t.present(config)]
+    kinds = dict((name, t.kind) for name, t in LAYER)
     layers = [
-        LayerWeights(**{name: _kept(t.kind, next(it)) for name, t in LAYER})
-        for _ in range(num_layers)
+        LayerWeights(**{name: _kept(kinds[name], next(it)) for name in present})
+        for _ in range(config.num_layers)
     ]
     return LlamaWeights(**own, layers=layers)
 
@@ -124,5 +188,5 @@ def _kept(kind: str, w: Weight) -> Any:
     """w as LlamaWeights and LayerWeights keep a tensor of `kind` (model/weights.py)."""
     if kind == "matrix":
         return QuantLinear(w) if isinstance(w, QuantizedWeight) else Linear(w)
-    assert kind == "embedding" or isinstance(w, torch.Tensor), "norms are never quantized"
+    assert kind == "embedding" or isinstance(w, torch.Tensor), "vectors are never quantized"
     return w

@@ -142,7 +142,7 @@ def shard(
     check_divisible(config, parallel.size)
     cut: dict[int, torch.Tensor] = {}
     out = []
-    for (_, _, t), w in zip(listed(config.num_layers), tensors, strict=True):
+    for (_, _, t), w in zip(listed(config), tensors, strict=True):
         if id(w) not in cut:
             cut[id(w)] = _slice(t, w, config, parallel)
         out.append(cut[id(w)])

@@ -1,9 +1,11 @@
 """The model's weights, each described once: `LayerWeights` and `LlamaWeights` declare every
 tensor as a field whose `Tensor` says where a checkpoint keeps it (Hugging Face and GGUF names; a
 fused matrix lists its parts, stacked by rows), its shape in terms of the config, how tensor
-parallelism cuts it and what it is (a matrix or an embedding, in floats or GGUF blocks; a norm).
+parallelism cuts it and what it is (a matrix or an embedding, in floats or GGUF blocks; a norm; a
+bias), and for a family's option (a bias, Qwen3's q/k norms) which config flag makes it present.
 The loader, the sharder, the GGUF reader and the one-call C step (whose struct layer_weights has
-the same fields) iterate `LAYER` and `MODEL` rather than spelling the order.
+the same fields, an absent option a null pointer) iterate `LAYER` and `MODEL` rather than
+spelling the order.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ Matrix = Linear | QuantLinear
 # of the vocabulary's rows; replicated: whole on every rank (model/parallel.py).
 Shard = Literal["column", "row", "vocab", "replicated"]
 # matrix: multiplied by (a Linear; a QuantLinear when in GGUF blocks); embedding: rows looked up
-# (floats or GGUF blocks, as they come); norm: a vector, always floats.
-Kind = Literal["matrix", "embedding", "norm"]
+# (floats or GGUF blocks, as they come); norm, bias: a vector, always floats (a bias is added to a
+# matrix's product: a row-parallel one once, after the all-reduce).
+Kind = Literal["matrix", "embedding", "norm", "bias"]
 Shapes = Callable[[ModelConfig], list[tuple[int, ...]]]
 
 
@@ -32,13 +35,18 @@ Shapes = Callable[[ModelConfig], list[tuple[int, ...]]]
 class Tensor:
     """Where one weight comes from and how it is kept."""
 
-    hf: tuple[str, ...]  # Hugging Face names without ".weight" (a layer's after "model.layers.N.")
+    hf: tuple[str, ...]  # Hugging Face names without the suffix (a layer's after "model.layers.N.")
     gguf: tuple[str, ...]  # llama.cpp's names of the same parts (a layer's after "blk.N.")
     shard: Shard
     kind: Kind
     # Each part's shape, checked at load; None: not checked (a vocabulary may be padded).
     parts: Shapes | None = None
     tied_to: str | None = None  # the field it is when the checkpoint has none and ties them
+    suffix: str = "weight"  # of its names in both formats: "weight" or "bias"
+    when: str | None = None  # the ModelConfig flag that makes it present; None: always present
+
+    def present(self, config: ModelConfig) -> bool:
+        return self.when is None or bool(getattr(config, self.when))
 
     def rows(self, config: ModelConfig) -> list[int]:
         """Each part's rows: where a column-parallel cut takes its slice of every part."""
@@ -49,6 +57,11 @@ class Tensor:
 def _tensor(**spec: Any) -> Any:
     """A field of a weights dataclass, described by `Tensor(**spec)`."""
     return field(metadata={"tensor": Tensor(**spec)})
+
+
+def _optional(**spec: Any) -> Any:
+    """A field for a tensor only some configs have (None where absent)."""
+    return field(default=None, metadata={"tensor": Tensor(**spec)})
 
 
 def _q(c: ModelConfig) -> int:
@@ -88,6 +101,33 @@ class LayerWeights:
         hf=("mlp.down_proj",), gguf=("ffn_down",), shard="row", kind="matrix",
         parts=lambda c: [(c.hidden_size, c.intermediate_size)],
     )  # fmt: skip
+    # A family's options, None where its config leaves them out.
+    qkv_bias: torch.Tensor | None = _optional(
+        hf=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        gguf=("attn_q", "attn_k", "attn_v"), shard="column", kind="bias", suffix="bias",
+        when="qkv_bias", parts=lambda c: [(_q(c),), (_kv(c),), (_kv(c),)],
+    )  # fmt: skip
+    o_bias: torch.Tensor | None = _optional(
+        hf=("self_attn.o_proj",), gguf=("attn_output",), shard="replicated", kind="bias",
+        suffix="bias", when="o_bias", parts=lambda c: [(c.hidden_size,)],
+    )  # fmt: skip
+    gate_up_bias: torch.Tensor | None = _optional(
+        hf=("mlp.gate_proj", "mlp.up_proj"), gguf=("ffn_gate", "ffn_up"), shard="column",
+        kind="bias", suffix="bias", when="mlp_bias",
+        parts=lambda c: [(c.intermediate_size,)] * 2,
+    )  # fmt: skip
+    down_bias: torch.Tensor | None = _optional(
+        hf=("mlp.down_proj",), gguf=("ffn_down",), shard="replicated", kind="bias",
+        suffix="bias", when="mlp_bias", parts=lambda c: [(c.hidden_size,)],
+    )  # fmt: skip
+    q_norm: torch.Tensor | None = _optional(  # [head_dim]: the same for every head
+        hf=("self_attn.q_norm",), gguf=("attn_q_norm",), shard="replicated", kind="norm",
+        when="qk_norm", parts=lambda c: [(c.head_dim,)],
+    )  # fmt: skip
+    k_norm: torch.Tensor | None = _optional(
+        hf=("self_attn.k_norm",), gguf=("attn_k_norm",), shard="replicated", kind="norm",
+        when="qk_norm", parts=lambda c: [(c.head_dim,)],
+    )  # fmt: skip
 
 
 @dataclass
@@ -101,8 +141,9 @@ class LlamaWeights:
         hf=("lm_head",), gguf=("output",), shard="vocab", kind="matrix", tied_to="embed"
     )
     norm: torch.Tensor = _tensor(
-        hf=("model.norm",), gguf=("output_norm",), shard="replicated", kind="norm"
-    )
+        hf=("model.norm",), gguf=("output_norm",), shard="replicated", kind="norm",
+        parts=lambda c: [(c.hidden_size,)],
+    )  # fmt: skip
     layers: list[LayerWeights] = field(default_factory=list)
 
 
@@ -114,13 +155,19 @@ LAYER = _described(LayerWeights)  # (field, Tensor) of a layer's tensors, in ord
 MODEL = _described(LlamaWeights)  # (field, Tensor) of the model's own, in order
 
 
-def listed(num_layers: int) -> list[tuple[str, str, Tensor]]:
-    """(checkpoint name prefix, field, Tensor) of every tensor of the model in the loader's order:
-    MODEL's, then LAYER's of each layer (prefix "model.layers.N.")."""
+def listed(config: ModelConfig) -> list[tuple[str, str, Tensor]]:
+    """(checkpoint name prefix, field, Tensor) of every tensor the config's model has, in the
+    loader's order: MODEL's, then LAYER's of each layer (prefix "model.layers.N.")."""
     out = [("", name, t) for name, t in MODEL]
-    for i in range(num_layers):
-        out += [(f"model.layers.{i}.", name, t) for name, t in LAYER]
+    layer = [(name, t) for name, t in LAYER if t.present(config)]
+    for i in range(config.num_layers):
+        out += [(f"model.layers.{i}.", name, t) for name, t in layer]
     return out
+
+
+def names(prefix: str, t: Tensor) -> list[str]:
+    """The Hugging Face names of a tensor's parts, e.g. model.layers.0.self_attn.q_proj.bias."""
+    return [f"{prefix}{part}.{t.suffix}" for part in t.hf]
 
 
 def matrices(layer: LayerWeights) -> list[Matrix]:

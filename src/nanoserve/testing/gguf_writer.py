@@ -1,7 +1,7 @@
-"""GGUF files written from Hugging Face checkpoints, as llama.cpp's converter writes them (the Q
-and K rows interleaved for its rotary layout, Llama 3.1 RoPE as a `rope_freqs` tensor, a "gpt2"
-byte-level BPE vocabulary), in float32 or a quantized type. For tests of the GGUF loader and for
-the llama.cpp column of the benchmarks.
+"""GGUF files written from Hugging Face checkpoints, as llama.cpp's converter writes them (a llama's
+Q and K rows interleaved for its rotary layout, qwen2's and qwen3's kept; Llama 3.1 RoPE as a
+`rope_freqs` tensor, a "gpt2" byte-level BPE vocabulary), in float32 or a quantized type. For
+tests of the GGUF loader and for the llama.cpp column of the benchmarks.
 """
 
 from __future__ import annotations
@@ -23,19 +23,22 @@ def write_gguf(
     out: Path,
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     architecture: str = "llama",
+    pre: str = "gpt-2",
 ) -> Path:
-    """Write `model_dir` (a Hugging Face Llama checkpoint) to `out` as a GGUF file whose matrices
-    are of `qtype` (norms stay float32)."""
+    """Write `model_dir` (a Hugging Face Llama, Qwen2 or Qwen3 checkpoint) to `out` as a GGUF
+    file whose matrices are of `qtype` (norms and biases stay float32); `pre`: the pre-tokenizer
+    it names."""
     cfg = ModelConfig.from_dir(model_dir)
     w = gguf.GGUFWriter(str(out), architecture)
     _add_hyperparameters(w, cfg)
-    _add_tokenizer(w, model_dir, cfg.vocab_size)
-    for name, t in _tensors(read_checkpoint(model_dir, torch.float32), cfg).items():
+    _add_tokenizer(w, model_dir, cfg.vocab_size, pre)
+    tensors = _tensors(read_checkpoint(model_dir, torch.float32), cfg, architecture == "llama")
+    for name, t in tensors.items():
         values = t.contiguous().numpy()
         if values.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(f"{name}.weight", gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(f"{name}.weight", values)
+            w.add_tensor(name, values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -59,28 +62,28 @@ def _add_hyperparameters(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
 
-# Hugging Face name (after "model.layers.N.") -> GGUF name (after "blk.N."), from model/weights.py.
-LAYER_NAMES = {h: g for _, t in LAYER for h, g in zip(t.hf, t.gguf, strict=True)}
-
-
-def _tensors(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors under llama.cpp's names (without ".weight"), Q and K rows permuted."""
+def _tensors(
+    hf: dict[str, torch.Tensor], cfg: ModelConfig, permute: bool
+) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors under llama.cpp's names, Q and K rows (and biases) permuted where
+    `permute`."""
     tensors = {
-        "token_embd": hf.pop("model.embed_tokens.weight"),
-        "output_norm": hf.pop("model.norm.weight"),
+        "token_embd.weight": hf.pop("model.embed_tokens.weight"),
+        "output_norm.weight": hf.pop("model.norm.weight"),
     }
     if not cfg.tie_word_embeddings:  # tied: llama.cpp reuses token_embd as the output head
-        tensors["output"] = hf.pop("lm_head.weight")
+        tensors["output.weight"] = hf.pop("lm_head.weight")
     if cfg.rope.rope_type == "llama3":
-        tensors["rope_freqs"] = _llama3_rope_factors(cfg)
+        tensors["rope_freqs.weight"] = _llama3_rope_factors(cfg)
+    present = [t for _, t in LAYER if t.present(cfg)]
     for i in range(cfg.num_layers):
-        for hf_name, name in LAYER_NAMES.items():
-            t = hf.pop(f"model.layers.{i}.{hf_name}.weight")
-            if name == "attn_q":
-                t = _interleave_rope_rows(t, cfg.num_heads)
-            elif name == "attn_k":
-                t = _interleave_rope_rows(t, cfg.num_kv_heads)
-            tensors[f"blk.{i}.{name}"] = t
+        for t in present:
+            for hf_name, name in zip(t.hf, t.gguf, strict=True):
+                w = hf.pop(f"model.layers.{i}.{hf_name}.{t.suffix}")
+                heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(name)
+                if permute and heads:
+                    w = _interleave_rope_rows(w, heads)
+                tensors[f"blk.{i}.{name}.{t.suffix}"] = w
     if hf:
         raise ValueError(f"tensors left unconverted: {sorted(hf)}")
     return tensors
@@ -89,8 +92,9 @@ def _tensors(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
 def _interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """HF rotates the two halves of each head ([x0..x(d/2-1)] with [x(d/2)..]); llama.cpp rotates
     adjacent pairs. Reorder each head's output rows 0, d/2, 1, d/2+1, ... so they line up."""
-    rows, cols = weight.shape
-    return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows = weight.shape[0]
+    halves = weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+    return halves.transpose(1, 2).reshape(weight.shape)
 
 
 def _llama3_rope_factors(cfg: ModelConfig) -> torch.Tensor:
@@ -111,7 +115,7 @@ def _llama3_rope_factors(cfg: ModelConfig) -> torch.Tensor:
     return torch.tensor(factors, dtype=torch.float32)
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:
+def _add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int, pre: str) -> None:
     """A "gpt2" (byte-level BPE) vocabulary from tokenizer.json, padded to the model's vocab."""
     spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
@@ -123,7 +127,7 @@ def _add_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None
         tokens[added["id"]], types[added["id"]] = added["content"], kind
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
