@@ -11,7 +11,8 @@ headers alone (`check_tensors`), before anything loads. Owns nothing after loadi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +49,20 @@ def read_checkpoint(
     """All tensors of a checkpoint under their Hugging Face names, cast to `dtype` on `device`."""
     weights: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-        except SafetensorError as e:  # a truncated or corrupt file
-            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+        with _opened(file) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     return weights
+
+
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """safe_open; a truncated or corrupt file is a CheckpointError naming it."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -120,7 +128,7 @@ def check_tensors(path: str | Path, config: ModelConfig) -> None:
         expected.update(zip(names(prefix, t), shapes, strict=True))
     tied = "lm_head.weight"
     for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
+        with _opened(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.endswith(IGNORED):
                     continue
