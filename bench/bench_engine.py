@@ -113,7 +113,8 @@ def floors(model_dir: Path, requests, dtype: str) -> dict:
     llm = LLM(str(model_dir), dtype=dtype)
     engine, c = llm.engine, llm.engine.model_config
     weights = engine.runner.model.weights.layers
-    tensors = [getattr(w, "weight", w) for layer in weights for w in vars(layer).values()]
+    tensors = [getattr(w, "weight", w) for layer in weights for w in vars(layer).values()
+               if w is not None]  # a family's options the model lacks are None  # fmt: skip
     layer_params = sum(t.numel() for t in tensors)  # a Linear's .weight, or a norm's tensor
     head_params = c.vocab_size * c.hidden_size
     weight_bytes = (layer_params + head_params) * torch_dtype.itemsize
