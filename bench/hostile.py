@@ -7,13 +7,15 @@ Cases: `huge_prompt` (a 3 MB prompt, six at once), `echo_logprobs` (echo + logpr
 8,000-token prompt, n=4), `many_prompts` (one request of 256 prompts), `stops` (16 stop
 strings, n=4), `stops_200k` (200,000 of them). For each: the longest /health answer and the
 short completion's latency while the heavy request runs, against the same probes on the idle
-server. Prints a table and writes bench/results/hostile.json.
+server. Prints a table and writes bench/results/hostile.json, with the machine's CPU count and
+load average before and after (a shared machine makes every figure slower).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -96,7 +98,7 @@ async def run_case(http: httpx.AsyncClient, heavy: list[dict[str, Any]]) -> dict
 
 async def main(names: list[str], model: Path) -> None:
     chosen = {name: body for name, body in cases().items() if name in names}
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
     async with (
         live_server(model, kv_cache_memory_gb=2.0) as server,
         httpx.AsyncClient(base_url=server.url, timeout=600) as http,
@@ -109,8 +111,11 @@ async def main(names: list[str], model: Path) -> None:
         for name, heavy in chosen.items():
             results[name] = await run_case(http, heavy)
             await server.wait_idle()
+    results["machine"]["load_after"] = os.getloadavg()
     print(f"{'case':<14} {'/health max s':>14} {'4-token s':>10} {'heavy s':>8}  statuses")
     for name, r in results.items():
+        if name == "machine":
+            continue
         print(f"{name:<14} {r['health_max_s']:>14.3f} {r['short_s']:>10.3f} "
               f"{r.get('heavy_s', 0):>8.2f}  {r.get('statuses', '')}")  # fmt: skip
     RESULTS.mkdir(exist_ok=True)

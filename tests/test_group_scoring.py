@@ -16,6 +16,8 @@ from nanoserve.testing.harness import live_server, sse_data
 BUDGET = 64  # max_num_batched_tokens: the prompt takes more than one turn of the first request
 PROMPT = [(11 * i) % 900 + 5 for i in range(100)]
 WARM = SamplingParams(max_tokens=1, temperature=0)
+URL = "/v1/completions"
+BASE = {"prompt": PROMPT, "n": 4, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
 def _reference(model):
@@ -53,10 +55,6 @@ def _events(response):
     data = sse_data(response.content)
     assert data[-1] == "[DONE]", data[-3:]
     return [json.loads(e) for e in data[:-1]]
-
-
-URL = "/v1/completions"
-BASE = {"prompt": PROMPT, "n": 4, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
 async def test_streamed_prompt_logprobs_of_a_cached_prompt_with_n_4(tiny_model_dir):
