@@ -229,8 +229,10 @@ def mask_logits(
     pairs = [(m, j) for j, m in enumerate(m for m in matchers if m is not None)]
     compiler.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(rows))
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    allowed = torch.from_numpy(bits.astype(bool)).to(logits.device)
+    forbidden = ~torch.from_numpy(bits.view(np.bool_)).to(logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained: one pass
+        return logits.masked_fill(forbidden, float("-inf"))
     logits = logits.clone()
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
     return logits
