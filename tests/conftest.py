@@ -4,6 +4,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from nanoserve.demo import write_checkpoint
@@ -27,3 +28,12 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
     """The default tiny config (hidden 64, 2 layers, llama3 RoPE), float32."""
     return tiny_model_factory()
+
+
+@pytest.fixture
+async def client(server):
+    """The official openai client on the module's `server` fixture (a live server)."""
+    async with openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0
+    ) as c:
+        yield c

@@ -22,14 +22,6 @@ async def server(tiny_model_dir):
         yield s
 
 
-@pytest.fixture
-async def client(server):
-    async with openai.AsyncOpenAI(
-        base_url=server.url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
-
-
 def _error(response, status):
     assert response.status_code == status, response.text
     return response.json()["error"]

@@ -56,14 +56,6 @@ async def server(tiny_model_dir):
         yield s
 
 
-@pytest.fixture
-async def client(server):
-    async with openai.AsyncOpenAI(
-        base_url=server.url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
-
-
 def _joined(chunks, n=1):
     texts = [""] * n
     for chunk in chunks:

@@ -8,7 +8,6 @@ import json
 import re
 
 import jsonschema
-import openai
 import pydantic
 import pytest
 
@@ -61,14 +60,6 @@ class Answer(pydantic.BaseModel):
 async def server(tiny_model_dir):
     async with live_server(tiny_model_dir, num_kv_blocks=256) as s:
         yield s
-
-
-@pytest.fixture
-async def client(server):
-    async with openai.AsyncOpenAI(
-        base_url=server.url + "/v1", api_key="unused", max_retries=0
-    ) as c:
-        yield c
 
 
 def _error(response, status=400):
