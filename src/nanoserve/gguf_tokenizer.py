@@ -1,10 +1,13 @@
 """The tokenizer a GGUF file describes, rebuilt as a Hugging Face `tokenizers.Tokenizer`.
 
-A GGUF carries no tokenizer.json: its metadata holds the vocabulary, the BPE merges, each token's
-type, the special token ids and the name of llama.cpp's pre-tokenizer. This module builds the
-byte-level BPE kind (`tokenizer.ggml.model == "gpt2"`) for the pre-tokenizers it knows, splitting
-text as llama.cpp does for each; anything else is refused by name, never approximated. Imports
-nothing of nanoserve.
+A GGUF carries no tokenizer.json: its metadata holds the vocabulary, the BPE merges (or, for a
+SentencePiece vocabulary, each token's score), each token's type, the special token ids and the
+name of llama.cpp's pre-tokenizer. This module builds the two kinds the Llama-family files use:
+byte-level BPE (`tokenizer.ggml.model == "gpt2"`: Llama 3, Qwen, SmolLM) for the pre-tokenizers
+it knows, splitting text as llama.cpp does for each, and SentencePiece BPE (`"llama"`: Mistral,
+Llama 2, TinyLlama), whose merges are the pairs of tokens that make a longer one, best score
+first, as SentencePiece merges them. Anything else is refused by name, never approximated.
+Imports nothing of nanoserve.
 """
 
 from __future__ import annotations
@@ -12,10 +15,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
+SPACE = "\u2581"  # SentencePiece's stand-in for a space
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -74,19 +87,17 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, A
     """The tokenizer, its tokenizer_config.json fields and its chat template, from the file's
     metadata (key -> value). Raises UnsupportedTokenizer, naming what is unsupported."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedTokenizer(
-            f"tokenizer kind {kind!r} is not supported: nanoserve builds the byte-level BPE "
-            "kind ('gpt2') of GGUF tokenizers"
-        )
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise UnsupportedTokenizer(
-            f"pre-tokenizer {pre!r} is not supported: nanoserve knows "
-            f"{', '.join(sorted(PRE_TOKENIZERS))}"
-        )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    tok = _bpe(tokens, meta, pre)
+    if kind == "gpt2":
+        tok = _bpe(tokens, meta, _pre_tokenizer(meta))
+    elif kind == "llama":
+        tok = _sentencepiece(tokens, meta)
+    else:
+        raise UnsupportedTokenizer(
+            f"tokenizer kind {kind!r} is not supported: nanoserve builds byte-level BPE "
+            "('gpt2') and SentencePiece BPE ('llama') GGUF tokenizers"
+        )
+    _add_typed_tokens(tok, tokens, meta)
     config = _special_tokens(tokens, meta)
     if config.get("add_bos_token") and "bos_token" in config:
         bos = config["bos_token"]
@@ -94,6 +105,16 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, A
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
         )
     return tok, config, meta.get("tokenizer.chat_template")
+
+
+def _pre_tokenizer(meta: Mapping[str, Any]) -> str:
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedTokenizer(
+            f"pre-tokenizer {pre!r} is not supported: nanoserve knows "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    return str(pre)
 
 
 def _bpe(tokens: list[str], meta: Mapping[str, Any], pre: str) -> Tokenizer:
@@ -104,19 +125,71 @@ def _bpe(tokens: list[str], meta: Mapping[str, Any], pre: str) -> Tokenizer:
     tok = Tokenizer(model)
     tok.pre_tokenizer = make_pre()
     tok.decoder = decoders.ByteLevel()
-    types = list(meta.get("tokenizer.ggml.token_type", []))
-    # Control tokens (<|im_start|>...) and user-defined ones (<think>...) are matched whole.
-    typed = list(zip(tokens, types, strict=False))
+    return tok
+
+
+def _sentencepiece(tokens: list[str], meta: Mapping[str, Any]) -> Tokenizer:
+    """SentencePiece BPE as llama.cpp runs it: spaces become U+2581 (one in front of the text
+    unless add_space_prefix is false), the adjacent pair whose join is the best-scored token
+    merges first, and a character no token spells falls back to its UTF-8 bytes (<0xNN>)."""
+    if "tokenizer.ggml.scores" not in meta:
+        raise UnsupportedTokenizer(
+            "a SentencePiece ('llama') vocabulary needs tokenizer.ggml.scores"
+        )
+    scores = list(meta["tokenizer.ggml.scores"])
+    types = list(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = next((t for t, k in zip(tokens, types, strict=False) if k == UNKNOWN), None)
+    model = models.BPE(
+        vocab=vocab, merges=_merges_by_score(tokens, scores, types), unk_token=unk,
+        fuse_unk=True, byte_fallback=True,
+    )  # fmt: skip
+    tok = Tokenizer(model)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    # As a normalizer, the prefix also goes after each special token, as llama.cpp puts it, and
+    # before text that starts with a space (Metaspace would skip it there).
+    spaces = normalizers.Replace(" ", SPACE)
+    tok.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if prefix else spaces
+    )
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+def _merges_by_score(
+    tokens: list[str], scores: list[float], types: list[int]
+) -> list[tuple[str, str]]:
+    """Every split of a normal token into two normal tokens, the joined token's score deciding
+    the order (higher first; SentencePiece's own order, where pieces are kept by score)."""
+    normal = {t for t, k in zip(tokens, types, strict=False) if k == NORMAL}
+    ranked = []
+    for i, token in enumerate(tokens):
+        if token not in normal:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[i], i, cut, left, right))
+    return [(left, right) for *_, left, right in sorted(ranked)]
+
+
+def _add_typed_tokens(tok: Tokenizer, tokens: list[str], meta: Mapping[str, Any]) -> None:
+    """Control tokens (<|im_start|>, [INST]...), the unknown token and user-defined ones
+    (<think>...) are matched whole in the text, as llama.cpp matches them."""
+    typed = list(zip(tokens, meta.get("tokenizer.ggml.token_type", []), strict=False))
     tok.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t, k in typed if k == CONTROL]
+        [AddedToken(t, normalized=False, special=True) for t, k in typed if k in (CONTROL, UNKNOWN)]
     )
     tok.add_tokens([AddedToken(t, normalized=False) for t, k in typed if k == USER_DEFINED])
-    return tok
 
 
 def _special_tokens(tokens: list[str], meta: Mapping[str, Any]) -> dict[str, Any]:
     """tokenizer_config.json's fields as far as the metadata gives them."""
-    config: dict[str, Any] = {"add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token"))}
+    # llama.cpp puts BOS before a SentencePiece vocabulary's text unless the file says not to.
+    default_bos = meta.get("tokenizer.ggml.model") == "llama"
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", default_bos)
+    config: dict[str, Any] = {"add_bos_token": bool(add_bos)}
     for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None and 0 <= token_id < len(tokens):

@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 # architectures entry -> model_type: the families the one decoder runs.
-FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",  # Llama's computation; a sliding window caps the context
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
@@ -56,6 +61,16 @@ class ModelConfig:
     o_bias: bool = False  # the output projection adds one (Llama's attention_bias)
     mlp_bias: bool = False  # gate, up and down add one (Llama's mlp_bias)
     qk_norm: bool = False  # RMSNorm of each head of q and of k before RoPE (Qwen3)
+    # Attention to the last `sliding_window` positions only (Mistral 7B v0.1, Qwen2 with
+    # use_sliding_window, sliding_attention layers). Not implemented as such: within the window
+    # full attention is the same computation, so the context is capped to it (context_limit).
+    sliding_window: int | None = None
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context computed exactly as the checkpoint's model computes it."""
+        window = self.sliding_window or self.max_position_embeddings
+        return min(self.max_position_embeddings, window)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -111,6 +126,7 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=family == "llama" and _bool(d, "mlp_bias", False),
             qk_norm=family == "qwen3",
+            sliding_window=_sliding_window(d, family),
         )
 
 
@@ -175,17 +191,24 @@ def _check_refused(d: dict[str, Any], family: str) -> None:
     layer_types = d.get("layer_types") or []
     if not isinstance(layer_types, list):
         raise ValueError(f"layer_types must be a list, got {layer_types!r}")
-    sliding = [t for t in layer_types if t != "full_attention"]
-    if sliding:
-        raise ValueError(f"layer_types {sliding[0]!r} is not implemented (full_attention only)")
-    if d.get("use_sliding_window"):
-        layers = d.get("num_hidden_layers", 0)
-        if d.get("sliding_window") is not None and layers > d.get("max_window_layers", 0):
-            raise ValueError(
-                "use_sliding_window is not implemented (sliding-window attention; "
-                f"sliding_window {d['sliding_window']}, max_window_layers "
-                f"{d.get('max_window_layers')})"
-            )
+    other = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
+    if other:
+        raise ValueError(f"layer_types {other[0]!r} is not implemented")
+
+
+def _sliding_window(d: dict[str, Any], family: str) -> int | None:
+    """The window of the layers that attend to a sliding window, where any does: Mistral's
+    sliding_window, layer_types' sliding_attention layers, or Qwen2's and Qwen3's from layer
+    max_window_layers on when use_sliding_window."""
+    if d.get("sliding_window") is None:
+        return None
+    layers = _positive_int(d, "num_hidden_layers")
+    used = (
+        family == "mistral"
+        or "sliding_attention" in (d.get("layer_types") or [])
+        or (bool(d.get("use_sliding_window")) and layers > d.get("max_window_layers", 0))
+    )
+    return _positive_int(d, "sliding_window") if used else None
 
 
 def _positive_int(d: dict[str, Any], key: str, default: int | None = None) -> int:

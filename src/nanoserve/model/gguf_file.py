@@ -133,6 +133,7 @@ class GGUFCheckpoint:
             o_bias=has("blk.0.attn_output.bias"),
             mlp_bias=has("blk.0.ffn_down.bias"),
             qk_norm=arch == "qwen3",
+            sliding_window=self._get("attention.sliding_window"),
         )
 
     def _check_refused(self, head_dim: int) -> None:
@@ -141,7 +142,6 @@ class GGUFCheckpoint:
             "rope.dimension_count": (self._get("rope.dimension_count", head_dim), head_dim),
             "attention.value_length": (self._get("attention.value_length", head_dim), head_dim),
             "expert_count": (self._get("expert_count", 0), 0),
-            "attention.sliding_window": (self._get("attention.sliding_window"), None),
             "attention.clamp_kqv": (self._get("attention.clamp_kqv"), None),
         }
         for key, (value, implemented) in changes.items():

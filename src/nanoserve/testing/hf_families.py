@@ -19,6 +19,7 @@ from nanoserve.demo import write_checkpoint
 
 CONFIGS = {
     "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
 }

@@ -1,0 +1,64 @@
+"""llama.cpp's own converter (`convert_hf_to_gguf.py`), for tests and benchmarks that need GGUF
+files as the world writes them. It ships in llama-cpp-python's source distribution (under
+vendor/llama.cpp, with its `conversion` package and its own copy of gguf-py); `fetch()` downloads
+that from PyPI once and keeps the Python parts under the cache directory (NANOSERVE_CACHE).
+
+    python -m nanoserve.testing.llamacpp_convert     # fetch it (the test session does)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from nanoserve.env import cache_dir
+
+SDIST = "llama-cpp-python==0.3.36"
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # under vendor/llama.cpp/
+
+
+def converter() -> Path | None:
+    """The fetched convert_hf_to_gguf.py, or None."""
+    script = cache_dir() / "llama.cpp" / "convert_hf_to_gguf.py"
+    return script if script.is_file() else None
+
+
+def fetch() -> Path:
+    """Download the source distribution (no build) and keep the converter; returns it."""
+    if (script := converter()) is not None:
+        return script
+    target = cache_dir() / "llama.cpp"
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", SDIST, "-d", tmp],
+            check=True,
+        )
+        (archive,) = Path(tmp).glob("*.tar.gz")
+        with tarfile.open(archive) as tar:
+            members = []
+            for m in tar.getmembers():
+                rest = m.name.partition("/vendor/llama.cpp/")[2]
+                if rest and rest.startswith(PARTS) and (m.isfile() or m.isdir()):
+                    m.name = rest
+                    members.append(m)
+            partial = target.with_suffix(".partial")
+            tar.extractall(partial, members=members, filter="data")
+    partial.rename(target)  # whole or absent
+    return target / "convert_hf_to_gguf.py"
+
+
+def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """`model_dir` (a Hugging Face checkpoint) written to `out` by llama.cpp's converter."""
+    script = converter() or fetch()
+    subprocess.run(
+        [sys.executable, str(script), str(model_dir), "--outfile", str(out), "--outtype", outtype],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    print(fetch())
