@@ -1,9 +1,11 @@
 """llama.cpp's own converter (`convert_hf_to_gguf.py`), for tests and benchmarks that need GGUF
 files as the world writes them. It ships in llama-cpp-python's source distribution (under
 vendor/llama.cpp, with its `conversion` package and its own copy of gguf-py); `fetch()` downloads
-that from PyPI once and keeps the Python parts under the cache directory (NANOSERVE_CACHE).
+that from PyPI once and keeps the Python parts under the cache directory (NANOSERVE_CACHE). The
+nox test session fetches it before the tests, which download nothing (those that need it skip
+where it was not fetched).
 
-    python -m nanoserve.testing.llamacpp_convert     # fetch it (the test session does)
+    python -m nanoserve.testing.llamacpp_convert     # fetch it
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def fetch() -> Path:
 
 def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     """`model_dir` (a Hugging Face checkpoint) written to `out` by llama.cpp's converter."""
-    script = converter() or fetch()
+    script = converter()
+    if script is None:
+        raise FileNotFoundError("llama.cpp's converter is not fetched: run fetch() first")
     done = subprocess.run(
         [sys.executable, str(script), str(model_dir), "--outfile", str(out), "--outtype", outtype],
         capture_output=True, text=True,
