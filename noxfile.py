@@ -61,6 +61,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "bench.bench_engine", "--dtype", "bfloat16", "--skip-serial")
     session.run("python", "-m", "bench.plot")  # bench_engine.py writes JSON only
     session.run("python", "-m", "bench.bench_gguf")  # SmolLM2's GGUF, llama.cpp on the same file
+    session.run("python", "-m", "bench.bench_families")  # each family beside transformers
     session.run("python", "-m", "bench.bench_tp")  # one process against two (tensor parallelism)
     session.run("python", "-m", "bench.bench_structured")  # grammars: compile, mask, throughput
     session.run("python", "-m", "bench.bench_serving")
