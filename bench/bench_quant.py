@@ -9,14 +9,17 @@ this CPU runs (portable C, AVX2, AVX-512 without and with VNNI), beside the floa
 SmolLM2-135M (fused qkv 960x576, o, fused gate_up 3072x576, down; 66 MB of Q4_1, more than the L2
 caches hold) one after the other at M = 1 and 4, as a decode step reads them, beside small_linear
 on their float32 values. Prints a table, the block matmuls beside the float32 ones, and writes
-bench/results/quant_cpu.json.
+bench/results/quant_cpu.json. SmolLM2's K (576, 1536) is no multiple of a K-quant super-block
+(256), so the K-quants run there only on the down projection's K = 1536; their decode GEMV is
+measured at M = 1 on Llama-3.2-1B's MLP shapes (GEMV_SHAPES) beside Q4_1 and Q8_0, one format
+after the other on the same shape (--gemv-only: that alone).
 
 --compare-dequant adds the alternative the kernels do not take: the weights de-quantized to
 float32 instead of the activations quantized to int16 (kernels/csrc/experiments/dequant_f32.c,
 compiled here with the system C compiler for -march=native and x86-64-v3: a GEMV for M <= 4, a
 panel-de-quantizing GEMM above), and de-quantize-then-F.linear (MKL's GEMM on a float copy).
 
-    python -m bench.bench_quant [--quick] [--compare-dequant] [--out bench/results]
+    python -m bench.bench_quant [--quick] [--gemv-only] [--compare-dequant] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ ROWS = (1, 4, 32, 256)
 # SmolLM2-135M's decoder layers as the decode step reads them: fused qkv, o, fused gate_up, down.
 LAYERS, LAYER_SHAPES = 30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 SWEEP_ROWS = (1, 4)
+# Llama-3.2-1B's gate / up (8192x2048) and down (2048x8192): its Q4_K_M file's are Q4_K and Q6_K.
+GEMV_SHAPES = [(8192, 2048, "gate, up (1B)"), (2048, 8192, "down (1B)")]
+GEMV_QTYPES = ("q4_k", "q6_k", "q4_1", "q8_0")
 RESULTS = Path(__file__).parent / "results"
 EXPERIMENT = Path(kernels.__file__).parent / "csrc" / "experiments" / "dequant_f32.c"
 
@@ -57,6 +63,7 @@ EXPERIMENT = Path(kernels.__file__).parent / "csrc" / "experiments" / "dequant_f
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="M = 1 and 32 only, shorter timings")
+    p.add_argument("--gemv-only", action="store_true", help="only the M = 1 GEMV_SHAPES")
     p.add_argument("--compare-dequant", action="store_true", help="time float de-quantization too")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for quant_cpu.json")
     return p.parse_args()
@@ -96,9 +103,26 @@ def dequant_libs() -> dict[str, ctypes.CDLL]:
     return libs
 
 
+def blocks_of(w: torch.Tensor, qtype: str) -> quant.QuantizedWeight:
+    """w quantized to qtype; for the K-quants, which nanoserve does not quantize to, random valid
+    blocks of w's scale instead (the kernels' time does not depend on the values)."""
+    if qtype not in quant.NOT_QUANTIZED:
+        return kernels.quantize(w, qtype)
+    n, k = w.shape
+    size, nb = quant.BLOCK_BYTES[qtype], k // quant.BLOCK_VALUES[qtype]
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (n, nb, size), dtype=torch.uint8, generator=g)
+    d = torch.full((n, nb, 1), float(w.std()) / 16, dtype=torch.float16).view(torch.uint8)
+    at = size - 2 if qtype == "q6_k" else 0  # Q6_K's d ends its block; the others' d, dmin lead
+    raw[:, :, at : at + 2] = d
+    if qtype != "q6_k":
+        raw[:, :, 2:4] = d
+    return quant.QuantizedWeight(quant.aligned_bytes(raw.view(n, nb * size)), qtype, (n, k))
+
+
 def quant_point(w: torch.Tensor, m: int, qtype: str, budget: float) -> dict:
     """ms per call of each path on w quantized to qtype, x of m rows."""
-    q = kernels.quantize(w, qtype)
+    q = blocks_of(w, qtype)
     x = torch.randn(m, w.shape[1])
     out = torch.empty(m, w.shape[0])
     times = {}
@@ -144,6 +168,7 @@ def measure(args: argparse.Namespace, libs: dict) -> list[dict]:
     for n, k, what in SHAPES:
         w = torch.randn(n, k) / k**0.5
         qtypes = ("q8_0",) if what == "embedding" else kernels.QUANT_TYPES
+        qtypes = tuple(q for q in qtypes if k % quant.BLOCK_VALUES[q] == 0)
         for m in rows:
             base = {"n": n, "k": k, "what": what, "m": m}
             points.append({**base, "qtype": "float32", **float_points(w, m, budget)})
@@ -157,6 +182,19 @@ def measure(args: argparse.Namespace, libs: dict) -> list[dict]:
                     point = {"weight_bytes": points[-1]["weight_bytes"], "ms": ms}
                     points.append({**base, "qtype": qtype, "activations": "float32", **point})
                     print_point(points[-1])
+    return points
+
+
+def measure_gemv(budget: float) -> list[dict]:
+    """M = 1 on GEMV_SHAPES, each of GEMV_QTYPES in turn on the same shape and paths."""
+    points = []
+    for n, k, what in GEMV_SHAPES:
+        w = torch.randn(n, k) / k**0.5
+        for qtype in GEMV_QTYPES:
+            point = quant_point(w, 1, qtype, budget)
+            points.append({"n": n, "k": k, "what": what, "m": 1, "qtype": qtype} | point)
+            points[-1]["activations"] = "int16"
+            print_point(points[-1])
     return points
 
 
@@ -254,6 +292,9 @@ def main() -> int:
     print(f"paths: {[label for label, _, _ in paths()]}; threads {torch.get_num_threads()}")
     bandwidth = read_bandwidth()
     print(f"read bandwidth (torch sum over 512 MiB): {bandwidth:.1f} GB/s", flush=True)
+    gemv = measure_gemv(0.05 if args.quick else 0.25)
+    if args.gemv_only:
+        return 0
     points = measure(args, libs)
     sweeps = sweep(0.1 if args.quick else 0.5)
     rows = summary(points, sweeps)
@@ -265,6 +306,7 @@ def main() -> int:
         "units": "ms: median per call (per sweep of all layers for sweeps); GB/s: weight bytes "
         "(blocks, or float32) per second",
         "points": points,
+        "gemv": gemv,
         "sweeps": sweeps,
         "summary": rows,
     }

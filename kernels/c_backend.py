@@ -39,11 +39,10 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows small_linear and decode_layers take (NS_GEMV_ROWS in csrc/nanoserve.h). The 4 is
 # only for a source tree that was never built, whose C kernels cannot run anyway.
 GEMV_ROWS: int = _C.GEMV_ROWS if _C is not None else 4
-# The GGUF block formats the C kernels take, {name: (GGML type id, bytes of a block)}, from their
-# one table (csrc/quant.c, a row in each format's file); empty in a source tree that was never
-# built. Every format's block holds BLOCK_VALUES values along K (QK in csrc/quant.h).
-BLOCK_FORMATS: dict[str, tuple[int, int]] = dict(_C.BLOCK_FORMATS) if _C is not None else {}
-BLOCK_VALUES: int = _C.BLOCK_VALUES if _C is not None else 0
+# The GGUF block formats the C kernels take, {name: (GGML type id, bytes of a block, values of a
+# block along K: 32, or 256 for a K-quant's super-block)}, from their one table (csrc/quant.c, a
+# row in each format's file); empty in a source tree that was never built.
+BLOCK_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.BLOCK_FORMATS) if _C is not None else {}
 
 
 def paged_attention_decode(
@@ -146,7 +145,7 @@ def rope_(
 
 
 # GGML's type ids of the GGUF block formats: the C module's qtype codes.
-QTYPE_CODES = {name: code for name, (code, _) in BLOCK_FORMATS.items()}
+QTYPE_CODES = {name: row[0] for name, row in BLOCK_FORMATS.items()}
 
 
 def quant_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor) -> None:

@@ -1,11 +1,13 @@
 """Matmuls on weights kept in llama.cpp's GGUF block formats, on the CPU.
 
-A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of BLOCK_VALUES (32)
-values along K, never de-quantized to a float matrix. The formats (QUANT_TYPES, BLOCK_BYTES) come
-from the C module's one table of formats (kernels/csrc/quant.c); each format's block layout and
-arithmetic are in its file, kernels/csrc/quant_<name>.c. quantize() makes one from float weights
-(the bytes gguf.quants.quantize makes), dequantize() is the float reference, and
-quantized_linear(x, w) = x @ dequantize(w).T in one C call.
+A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of BLOCK_VALUES[qtype]
+values along K (32, or a K-quant's super-block of 256), never de-quantized to a float matrix. The
+formats (QUANT_TYPES, BLOCK_BYTES, BLOCK_VALUES) come from the C module's one table of formats
+(kernels/csrc/quant.c); each format's block layout and arithmetic are in its file,
+kernels/csrc/quant_<name>.c. quantize() makes one from float weights (the bytes
+gguf.quants.quantize makes; not to the K-quants, NOT_QUANTIZED, whose files llama.cpp's quantizer
+makes), dequantize() is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in
+one C call.
 
 quantized_linear quantizes each row of x per block of 32 to int16 (dx = max|x| / 32767) and takes
 exact integer dot products with the weight blocks, scaled by d dx in float: so its result differs
@@ -28,8 +30,11 @@ from .api import _check_tensor
 from .errors import BackendUnavailableError
 
 QUANT_TYPES = tuple(c_backend.BLOCK_FORMATS)  # the formats' names; () if never built
-BLOCK_BYTES = {name: size for name, (_, size) in c_backend.BLOCK_FORMATS.items()}
-BLOCK_VALUES = c_backend.BLOCK_VALUES  # values per block, along K, in every format
+BLOCK_BYTES = {name: row[1] for name, row in c_backend.BLOCK_FORMATS.items()}
+BLOCK_VALUES = {name: row[2] for name, row in c_backend.BLOCK_FORMATS.items()}  # along K
+# The K-quants, kept and multiplied but not quantized to: llama.cpp's quantizer searches their
+# scales (a plain rounding would be a worse file under the same name).
+NOT_QUANTIZED = ("q4_k", "q5_k", "q6_k")
 ISA_PATHS = ("portable", "avx2", "avx512")  # in order; NANOSERVE_ISA caps the choice
 ALIGNMENT = 64  # bytes; where a QuantizedWeight's data starts
 ACTIVATIONS = ("int16",)  # the integers quantized_linear rounds its input to
@@ -39,11 +44,11 @@ ACTIVATIONS = ("int16",)  # the integers quantized_linear rounds its input to
 class QuantizedWeight:
     """A matrix [N, K] = shape of GGUF blocks of `qtype` (one of QUANT_TYPES).
 
-    data: a contiguous uint8 CPU tensor [N, K / BLOCK_VALUES * BLOCK_BYTES[qtype]], the bytes,
-    starting on a 64-byte boundary (ALIGNMENT): a cache line of its own, as torch's allocator
-    gives; aligned_bytes() copies data that does not (a view into a GGUF file, say) into a buffer
-    that does. K must be a multiple of BLOCK_VALUES. Checked on construction; ValueError/TypeError
-    name the field at fault.
+    data: a contiguous uint8 CPU tensor [N, K / BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype]], the
+    bytes, starting on a 64-byte boundary (ALIGNMENT): a cache line of its own, as torch's
+    allocator gives; aligned_bytes() copies data that does not (a view into a GGUF file, say) into
+    a buffer that does. K must be a multiple of BLOCK_VALUES[qtype]. Checked on construction;
+    ValueError/TypeError name the field at fault.
     """
 
     data: torch.Tensor
@@ -54,17 +59,17 @@ class QuantizedWeight:
         _require_c()  # the formats come from the C module's table
         if self.qtype not in QUANT_TYPES:
             raise ValueError(f"qtype must be one of {QUANT_TYPES}, got {self.qtype!r}")
-        shape = _matrix_shape(self.shape)
+        shape = _matrix_shape(self.shape, self.qtype)
         object.__setattr__(self, "shape", shape)
         _check_tensor("data", self.data, "[N, row_bytes]")
         if self.data.dtype != torch.uint8 or self.data.device.type != "cpu":
             raise TypeError(
                 f"data must be a uint8 CPU tensor, got {self.data.dtype} on {self.data.device}"
             )
-        expected = (shape[0], shape[1] // BLOCK_VALUES * BLOCK_BYTES[self.qtype])
+        expected = (shape[0], self.row_bytes)
         if tuple(self.data.shape) != expected:
             raise ValueError(
-                f"data must be [N, K / {BLOCK_VALUES} * {BLOCK_BYTES[self.qtype]}] = "
+                f"data must be [N, K / {BLOCK_VALUES[self.qtype]} * {BLOCK_BYTES[self.qtype]}] = "
                 f"{list(expected)} for "
                 f"{self.qtype} of shape {list(shape)}, got {list(self.data.shape)}"
             )
@@ -77,19 +82,20 @@ class QuantizedWeight:
     @property
     def row_bytes(self) -> int:
         """Bytes of one row of blocks."""
-        return self.shape[1] // BLOCK_VALUES * BLOCK_BYTES[self.qtype]
+        return self.shape[1] // BLOCK_VALUES[self.qtype] * BLOCK_BYTES[self.qtype]
 
 
-def _matrix_shape(shape: object) -> tuple[int, int]:
-    """shape as (N, K) of ints, N >= 0 and K a positive multiple of BLOCK_VALUES."""
+def _matrix_shape(shape: object, qtype: str) -> tuple[int, int]:
+    """shape as (N, K) of ints, N >= 0 and K a positive multiple of BLOCK_VALUES[qtype]."""
     try:
         n, k = (int(d) for d in shape)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
         raise ValueError(f"shape must be (N, K), two ints, got {shape!r}") from None
-    if n < 0 or k < BLOCK_VALUES or k % BLOCK_VALUES:
+    values = BLOCK_VALUES[qtype]
+    if n < 0 or k < values or k % values:
         raise ValueError(
-            f"shape must be (N, K) with N >= 0 and K a positive multiple of {BLOCK_VALUES}, "
-            f"got {(n, k)}"
+            f"shape must be (N, K) with N >= 0 and K a positive multiple of {values} for "
+            f"{qtype}, got {(n, k)}"
         )
     return n, k
 
@@ -115,24 +121,30 @@ def aligned_bytes(data: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, qtype: str) -> QuantizedWeight:
     """weight [N, K] (a float CPU tensor, taken as float32; K a multiple of 32) in GGUF blocks of
-    qtype: byte for byte what gguf.quants.quantize(weight.float().numpy(), ...) returns, but for
-    the sign of a zero Q4_1 m where a block's least value is 0.0 and -0.0 both: numpy's min
-    returns whichever its SIMD order meets last, ggml's C reference (and this) the first. The
-    values are the same."""
+    qtype (not one of NOT_QUANTIZED): byte for byte what
+    gguf.quants.quantize(weight.float().numpy(), ...) returns, but for the sign of a zero Q4_1 m
+    where a block's least value is 0.0 and -0.0 both: numpy's min returns whichever its SIMD order
+    meets last, ggml's C reference (and this) the first. The values are the same."""
     _check_tensor_2d("weight", weight, "[N, K]")
     if not weight.is_floating_point() or weight.device.type != "cpu":
         raise TypeError(f"weight must be a float CPU tensor, got {weight.dtype} on {weight.device}")
     _require_c()
     if qtype not in QUANT_TYPES:
         raise ValueError(f"qtype must be one of {QUANT_TYPES}, got {qtype!r}")
-    shape = tuple(weight.shape)
-    if shape[1] < BLOCK_VALUES or shape[1] % BLOCK_VALUES:
+    if qtype in NOT_QUANTIZED:
         raise ValueError(
-            f"weight's K (columns) must be a positive multiple of {BLOCK_VALUES} to quantize to "
+            f"nanoserve does not quantize float weights to {qtype}: make a {qtype.upper()} GGUF "
+            "file with llama.cpp's quantizer (llama-quantize) and load that"
+        )
+    shape = tuple(weight.shape)
+    values = BLOCK_VALUES[qtype]
+    if shape[1] < values or shape[1] % values:
+        raise ValueError(
+            f"weight's K (columns) must be a positive multiple of {values} to quantize to "
             f"{qtype}, got weight of shape {list(shape)}"
         )
     weight = weight.to(torch.float32).contiguous()
-    out = _aligned_empty((shape[0], shape[1] // BLOCK_VALUES * BLOCK_BYTES[qtype]))
+    out = _aligned_empty((shape[0], shape[1] // values * BLOCK_BYTES[qtype]))
     if weight.numel():
         c_backend.quantize(weight, qtype, out)
     return QuantizedWeight(out, qtype, (shape[0], shape[1]))

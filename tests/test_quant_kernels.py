@@ -24,6 +24,9 @@ gguf = pytest.importorskip("gguf")
 
 # gguf's type of each of the kernels' formats, by name: a name gguf does not know fails here.
 GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in kernels.QUANT_TYPES}
+# The formats quantize() makes (not the K-quants, whose blocks come from llama.cpp's quantizer).
+QUANTIZED = [name for name in kernels.QUANT_TYPES if name not in quant.NOT_QUANTIZED]
+KQUANTS = [name for name in kernels.QUANT_TYPES if quant.BLOCK_VALUES[name] == 256]
 ROWS = [1, 2, 3, 4, 5, 17, 64, 300]
 # (path, VNNI): each runs where the CPU has it; "avx512" without VNNI runs on any AVX-512 CPU.
 PATHS = {
@@ -74,19 +77,33 @@ def _bounds(x: torch.Tensor, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray
     most sum |x'| (|w| + 2 |m|) (x' the rounded x, |x'| <= |x| + dx; Q4_1's q d is w - m, and its
     min adds m sum x'), and go through at most 2 K / 32 + 10 roundings, each at most u times that
     sum: per block the dot's conversion, d dx, one or two adds into its lane; the lanes' final
-    sums; gguf's own float32 rounding of q d + m."""
+    sums; gguf's own float32 rounding of q d + m. A K-quant's sub-block adds two more (d sc, and
+    Q6_K's second half or the min's dmin m), so 4 K / 32 + 10."""
     wd, xd = _oracle(w), x.double().numpy()
     m, blocks = x.shape[0], x.shape[1] // 32
     levels = LEVELS
     amax = np.abs(xd).reshape(m, blocks, 32).max(axis=2)
     w_abs = np.abs(wd).reshape(wd.shape[0], blocks, 32).sum(axis=2)
     rounding = amax / (2 * levels) @ w_abs.T * (1 + 4 * levels * U) * (1 + U)
-    w_min = np.zeros_like(wd)
-    if w.qtype == "q4_1":
-        m_bytes = w.data.numpy().reshape(wd.shape[0], blocks, 20)[:, :, 2:4].copy()
-        w_min = np.repeat(np.abs(m_bytes.view(np.float16)[..., 0].astype(np.float64)), 32, axis=1)
+    w_min = _mins(w)
     x_abs = np.abs(xd) + np.repeat(amax / levels, 32, axis=1)
-    return rounding, (2 * blocks + 10) * U * (x_abs @ (np.abs(wd) + 2 * w_min).T)
+    roundings = (4 if w.qtype in KQUANTS else 2) * blocks + 10
+    return rounding, roundings * U * (x_abs @ (np.abs(wd) + 2 * w_min).T)
+
+
+def _mins(w: QuantizedWeight) -> np.ndarray:
+    """|m| of each value's block (Q4_1) or sub-block (Q4_K, Q5_K: dmin m), else 0; [N, K]."""
+    n, k = w.shape
+    raw = w.data.numpy().reshape(n, k // quant.BLOCK_VALUES[w.qtype], -1)
+    if w.qtype == "q4_1":
+        m = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    elif w.qtype in ("q4_k", "q5_k"):
+        dmin = raw[:, :, 2:4].copy().view(np.float16).astype(np.float64)  # [N, blocks, 1]
+        _, mins = gguf.quants.Q4_K.get_scale_min(raw[:, :, 4:16].reshape(-1, 12))
+        m = (dmin * mins.reshape(n, -1, 8)).reshape(n, -1)  # per sub-block of 32
+    else:
+        return np.zeros((n, k))
+    return np.repeat(np.abs(m), 32, axis=1)
 
 
 def _check_against_oracle(x: torch.Tensor, w: QuantizedWeight, y: torch.Tensor) -> None:
@@ -124,13 +141,13 @@ def test_the_block_formats_are_ggufs():
     """The C module's one table of formats (csrc/quant.c), whence QUANT_TYPES, BLOCK_BYTES and the
     qtype codes, against gguf's type ids and block sizes."""
     assert {"q8_0", "q4_0", "q4_1"} <= set(kernels.QUANT_TYPES)
-    for name, (code, size) in c_backend.BLOCK_FORMATS.items():
+    for name, (code, size, _) in c_backend.BLOCK_FORMATS.items():
         assert (code, size) == (GGML[name].value, quant.BLOCK_BYTES[name]), name
-        assert gguf.GGML_QUANT_SIZES[GGML[name]] == (quant.BLOCK_VALUES, size), name
+        assert gguf.GGML_QUANT_SIZES[GGML[name]] == (quant.BLOCK_VALUES[name], size), name
     assert {name: GGML[name].value for name in GGML} == c_backend.QTYPE_CODES
 
 
-@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+@pytest.mark.parametrize("qtype", QUANTIZED)
 def test_quantize_gives_ggufs_bytes(qtype):
     for special, w in ((True, _special_blocks(4)), (False, _weight(33, 32 * 7, seed=1))):
         q = kernels.quantize(w, qtype)
@@ -154,13 +171,13 @@ def _zero_min_signs_only(ours: np.ndarray, theirs: np.ndarray) -> bool:
     )
 
 
-@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+@pytest.mark.parametrize("qtype", QUANTIZED)
 def test_quantize_takes_other_float_dtypes_as_float32(qtype):
     w = _weight(5, 64, seed=2).bfloat16()
     assert torch.equal(kernels.quantize(w, qtype).data, kernels.quantize(w.float(), qtype).data)
 
 
-@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+@pytest.mark.parametrize("qtype", QUANTIZED)
 def test_dequantize_gives_ggufs_values(qtype):
     w = kernels.quantize(_special_blocks(3), qtype)
     expected = _oracle(w).astype(np.float32)
@@ -219,7 +236,7 @@ def test_a_real_gguf_tensor(name, isa):
 
 
 @pytest.mark.parametrize("k", [32, 32 * 6, 32 * 7])
-@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+@pytest.mark.parametrize("qtype", QUANTIZED)
 def test_quantized_linear_against_gguf(isa, qtype, k):
     """Every M from the GEMV's 1-4 rows to the GEMM's many, an odd N, K of one block and of
     numbers of blocks that leave 1, 2 or 3 blocks after the paths' groups of 2 and 4."""
@@ -241,7 +258,7 @@ def test_quantized_linear_against_gguf(isa, qtype, k):
         assert (diff <= 2 * float_part[:m] + 1e-30).all()
 
 
-@pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
+@pytest.mark.parametrize("qtype", QUANTIZED)
 def test_a_row_is_bitwise_the_same_in_any_batch_and_thread_count(isa, qtype):
     """GEMV (M <= 4) and GEMM (M > 4) rows, several panels of N, any rows beside it, any threads."""
     n, k = 600, 32 * 9
@@ -719,3 +736,99 @@ def test_smollm2_matmul_relative_errors():
     for kind, source in {key[:2] for key in errors}:
         int16, int8 = errors[kind, source, "int16"], errors[kind, source, "int8"]
         assert max(int16) < 3e-4 and np.median(int16) * 100 < np.median(int8), (kind, source)
+
+
+# ---------------------------------------------------------------- the K-quants
+
+
+def _kquant_weight(qtype: str, n: int, k: int, seed: int) -> QuantizedWeight:
+    """Random valid K-quant blocks (gguf.quants.quantize does not make them): random bytes under
+    fp16 d (and dmin) of a model's size, and row 0 at the formats' extremes: Q6_K's q - 32 = -32
+    with scales -128, the others' largest q, scales and mins."""
+    size, nb = quant.BLOCK_BYTES[qtype], k // 256
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, nb, size), dtype=np.uint8)
+    d = (rng.standard_normal((n, nb, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    if qtype == "q6_k":
+        raw[:, :, size - 2 :] = d
+        raw[0, :, : size - 18] = 0  # ql, qh: q = 0, less 32
+        raw[0, :, size - 18 : size - 2] = 0x80  # int8 scales -128
+    else:
+        raw[:, :, :2] = d
+        raw[:, :, 2:4] = (
+            (np.abs(rng.standard_normal((n, nb, 1))) * 0.01).astype(np.float16).view(np.uint8)
+        )
+        raw[0, :, 4:] = 0xFF  # 6-bit scales and mins 63, every q 15 (31)
+    data = kernels.aligned_bytes(raw.reshape(n, nb * size))
+    return QuantizedWeight(data, qtype, (n, k))
+
+
+@pytest.mark.parametrize("k", [256, 2304])
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_dequantize_gives_ggufs_values(qtype, k):
+    """The super-blocks' layout (scales, mins, high bits) as gguf reads it, whole and by rows."""
+    w = _kquant_weight(qtype, 9, k, seed=k)
+    expected = _oracle(w).astype(np.float32)
+    assert np.array_equal(kernels.dequantize(w).numpy(), expected)
+    rows = torch.tensor([8, 0, 3, 3])
+    assert np.array_equal(kernels.dequantize(w, rows).numpy(), expected[rows.numpy()])
+
+
+@pytest.mark.parametrize("k", [256, 512, 2304])
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquant_linear_against_gguf(isa, qtype, k):
+    """Every M from the GEMV's to the GEMM's, N odd and not a multiple of a strip (8, 16)."""
+    w = _kquant_weight(qtype, 97, k, seed=k + 1)
+    x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(1)) * 2
+    quant.set_isa("portable")
+    reference = kernels.quantized_linear(x_all, w)
+    quant.set_isa(*PATHS[isa])
+    _, float_part = _bounds(x_all, w)
+    for m in ROWS:
+        x = x_all[:m].contiguous()
+        y = kernels.quantized_linear(x, w)
+        _check_against_oracle(x, w, y)
+        diff = (y.double() - reference[:m].double()).abs().numpy()
+        assert (diff <= 2 * float_part[:m] + 1e-30).all()
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_a_kquant_row_is_bitwise_the_same_in_any_batch_and_thread_count(isa, qtype):
+    """As for the 32-value formats: GEMV and GEMM rows, several panels of N, any threads."""
+    n, k = 600, 512
+    w = _kquant_weight(qtype, n, k, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(300, k, generator=g)
+    full = kernels.quantized_linear(x, w)
+    for m in ROWS:
+        rows = torch.randperm(300, generator=g)[:m]
+        assert torch.equal(kernels.quantized_linear(x[rows], w), full[rows]), m
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(kernels.quantized_linear(x, w), full)
+            assert torch.equal(kernels.quantized_linear(x[:3], w), full[:3])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS)
+def test_kquants_refuse_k_off_super_blocks_and_quantizing(qtype):
+    size = quant.BLOCK_BYTES[qtype]
+    data = kernels.aligned_bytes(torch.zeros(4, size, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"multiple of 256 for .*\(4, 288\)"):
+        QuantizedWeight(data, qtype, (4, 288))
+    with pytest.raises(ValueError, match="llama.cpp's quantizer"):
+        kernels.quantize(torch.randn(4, 256), qtype)
+
+
+def test_a_q4_k_weight_through_the_models_linear():
+    """QuantLinear (the model's matmul on blocks) against the float matmul on the same values."""
+    from nanoserve.model.quantized import QuantLinear
+
+    w = _kquant_weight("q4_k", 70, 512, seed=9)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
+    expected = x.double() @ kernels.dequantize(w).double().T
+    got = QuantLinear(w)(x)
+    assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()

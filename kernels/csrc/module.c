@@ -80,8 +80,8 @@ static struct PyModuleDef module = {
     "_C",
     "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE, the one-call decode step and "
     "matmuls on GGUF block weights; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and "
-    "decode_layers take; BLOCK_FORMATS: {name: (GGML type id, bytes of a block)} of the block "
-    "formats, whose blocks hold BLOCK_VALUES values.",
+    "decode_layers take; BLOCK_FORMATS: {name: (GGML type id, bytes of a block, values of a "
+    "block along K)} of the block formats.",
     -1,
     methods,
     NULL,
@@ -93,7 +93,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__C(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "GEMV_ROWS", NS_GEMV_ROWS) < 0) Py_CLEAR(m);
-    if (m && PyModule_AddIntConstant(m, "BLOCK_VALUES", QK) < 0) Py_CLEAR(m);
     PyObject *formats = m ? nanoserve_block_formats() : NULL;
     if (m && (!formats || PyModule_AddObjectRef(m, "BLOCK_FORMATS", formats) < 0)) Py_CLEAR(m);
     Py_XDECREF(formats);

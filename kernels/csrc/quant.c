@@ -18,7 +18,9 @@
 /* The formats, each defined in its file quant_<name>.c: adding one is a line here and its file.
  * Python reads them from _C.BLOCK_FORMATS. */
 extern const ns_block_format Q8_0_FORMAT, Q4_0_FORMAT, Q4_1_FORMAT;
-static const ns_block_format *const FORMATS[] = {&Q8_0_FORMAT, &Q4_0_FORMAT, &Q4_1_FORMAT};
+extern const ns_block_format Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT;
+static const ns_block_format *const FORMATS[] = {&Q8_0_FORMAT, &Q4_0_FORMAT, &Q4_1_FORMAT,
+                                                 &Q4_K_FORMAT, &Q5_K_FORMAT, &Q6_K_FORMAT};
 enum { NUM_FORMATS = sizeof FORMATS / sizeof FORMATS[0] };
 
 const ns_block_format *ns_block_format_of(int code) {
@@ -140,7 +142,8 @@ int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t
     ns_xq xq;
     void *base = xq_alloc(&xq, M, K);
     if (!base) return -1;
-    const ns_qmm a = {out, (const char *)w, &xq, M, N, K, (size_t)(K / QK) * f->block_bytes};
+    const ns_qmm a = {out, (const char *)w, &xq, M, N, K,
+                      (size_t)(K / ns_block_values(f)) * f->block_bytes};
     const ns_matmul_fn kernel = f->matmul[path];
     if (num_threads > N) num_threads = N > 0 ? (int)N : 1;
 #pragma omp parallel num_threads(num_threads)
@@ -172,7 +175,8 @@ PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kw
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKnnnii", kwlist, &out, &x, &w, &M, &N, &K,
                                      &qtype, &num_threads))
         return NULL;
-    if (!ns_block_format_of(qtype) || M < 0 || N < 0 || K < 0 || num_threads < 1) {
+    const ns_block_format *f = ns_block_format_of(qtype);
+    if (!f || M < 0 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1) {
         PyErr_Format(PyExc_ValueError, "quant_linear: qtype code %d, [M, N, K] = [%zd, %zd, %zd] "
                      "or num_threads %d out of range", qtype, M, N, K, num_threads);
         return NULL;
@@ -191,7 +195,8 @@ PyObject *nanoserve_block_formats(void) {
     PyObject *formats = PyDict_New();
     for (int i = 0; formats && i < NUM_FORMATS; i++) {
         const ns_block_format *f = FORMATS[i];
-        PyObject *row = Py_BuildValue("(in)", f->code, (Py_ssize_t)f->block_bytes);
+        PyObject *row =
+            Py_BuildValue("(ini)", f->code, (Py_ssize_t)f->block_bytes, ns_block_values(f));
         if (!row || PyDict_SetItemString(formats, f->name, row) < 0) Py_CLEAR(formats);
         Py_XDECREF(row);
     }

@@ -5,7 +5,8 @@
  * per instruction set.
  *
  * Weights stay in llama.cpp's GGUF block formats, byte for byte: rows of blocks of 32 values
- * along K.
+ * along K, or of super-blocks of 256 (the K-quants), whose 32-value sub-blocks (Q6_K: pairs of
+ * 16-value ones) each have their own scale.
  *
  * out = x @ W^T runs on integer activations: each row of x is quantized per block of 32 to int16
  * (dx = max|x| / 32767, q = round(x / dx)), the kernels take exact integer dot products of a
@@ -26,7 +27,8 @@
 #define NS_X86 0
 #endif
 
-enum { QK = 32 }; /* values per block, along K (every format's): exported as _C.BLOCK_VALUES */
+enum { QK = 32 };   /* values per block of the activations, and of the 32-value formats */
+enum { QK_K = 256 }; /* values per super-block of the K-quants */
 
 /* Byte j of a 4-bit block's qs: value j (q[j], 0..15) in its low nibble, value j + 16 in its
  * high one. */
@@ -35,7 +37,7 @@ static inline void ns_pack_nibbles(uint8_t qs[QK / 2], const uint8_t q[QK]) {
 }
 
 /* The largest block: the SIMD kernels copy a matrix's last rows' blocks into buffers this wide. */
-enum { NS_MAX_BLOCK_BYTES = 40 };
+enum { NS_MAX_BLOCK_BYTES = 210 }; /* Q6_K's */
 /* The most bytes of unpacked weights a SIMD GEMM panel takes, to stay in L2 (unpacked 4-bit blocks
  * take 4x their bytes). */
 enum { NS_PANEL_BYTES = 256 << 10 };
@@ -74,7 +76,10 @@ typedef struct {
     int code;          /* GGML's type id: the qtype code Python passes (c_backend.QTYPE_CODES) */
     const char *name;  /* as kernels.QUANT_TYPES has it: GGML's type name in lower case */
     size_t block_bytes;
-    void (*quantize)(void *block, const float *x); /* 32 values, as gguf.quants.quantize */
+    int block_values; /* values per block along K: QK_K for a K-quant's super-block; 0 is QK */
+    /* a block's block_values values, as gguf.quants.quantize; NULL where nanoserve does not
+     * quantize to the format (the K-quants: llama.cpp's quantizer searches their scales) */
+    void (*quantize)(void *block, const float *x);
     void (*dequantize)(float *x, const void *block);
     const uint8_t *pairs; /* the order in which the SIMD kernels take a block's activations */
     ns_matmul_fn matmul[NS_NUM_PATHS]; /* the SIMD paths' on x86 only */
@@ -82,6 +87,11 @@ typedef struct {
 
 /* quant.c: the format with GGML type id `code`, or NULL. */
 const ns_block_format *ns_block_format_of(int code);
+
+/* Values per block of f along K: a row of K values (a multiple of it) takes K / it blocks. */
+static inline int ns_block_values(const ns_block_format *f) {
+    return f->block_values ? f->block_values : QK;
+}
 
 /* The SIMD kernels' order of a block's values (see quant_strips_avx512.h): register p[j] of an
  * unpacked block holds values order[2j] and order[2j + 1] of each row, so the activations are laid

@@ -7,23 +7,25 @@
 
 static void quantize_rows(char *out, const float *w, Py_ssize_t N, Py_ssize_t K,
                           const ns_block_format *f, int num_threads) {
-    const Py_ssize_t nb = K / QK;
+    const int bv = ns_block_values(f);
+    const Py_ssize_t nb = K / bv;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (Py_ssize_t n = 0; n < N; n++)
         for (Py_ssize_t b = 0; b < nb; b++)
             f->quantize(out + ((size_t)n * (size_t)nb + (size_t)b) * f->block_bytes,
-                        w + n * K + b * QK);
+                        w + n * K + b * bv);
 }
 
 /* out [R, K] = rows rows[r] of w (or every row, in order, when rows is NULL). */
 static void dequantize_rows(float *out, const char *w, const int64_t *rows, Py_ssize_t R,
                             Py_ssize_t K, const ns_block_format *f, int num_threads) {
-    const Py_ssize_t nb = K / QK;
+    const int bv = ns_block_values(f);
+    const Py_ssize_t nb = K / bv;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (Py_ssize_t r = 0; r < R; r++) {
         const size_t n = rows ? (size_t)rows[r] : (size_t)r;
         for (Py_ssize_t b = 0; b < nb; b++)
-            f->dequantize(out + r * K + b * QK,
+            f->dequantize(out + r * K + b * bv,
                           w + (n * (size_t)nb + (size_t)b) * f->block_bytes);
     }
 }
@@ -33,7 +35,7 @@ static void dequantize_rows(float *out, const char *w, const int64_t *rows, Py_s
 static const ns_block_format *check_format(const char *fn, Py_ssize_t N, Py_ssize_t K, int qtype,
                                            int num_threads) {
     const ns_block_format *f = ns_block_format_of(qtype);
-    if (!f || N < 0 || K < 0 || num_threads < 1) {
+    if (!f || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1) {
         PyErr_Format(PyExc_ValueError, "%s: qtype code %d, [N, K] = [%zd, %zd] or num_threads %d "
                      "out of range", fn, qtype, N, K, num_threads);
         return NULL;
@@ -52,6 +54,10 @@ PyObject *nanoserve_py_quantize(PyObject *self, PyObject *args, PyObject *kwargs
                                      &num_threads) ||
         !(f = check_format("quantize", N, K, qtype, num_threads)))
         return NULL;
+    if (!f->quantize) {
+        PyErr_Format(PyExc_ValueError, "quantize: nanoserve does not quantize to %s", f->name);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS;
     quantize_rows((char *)(uintptr_t)out, (const float *)(uintptr_t)w, N, K, f, num_threads);
     Py_END_ALLOW_THREADS;

@@ -26,7 +26,7 @@ enum { MR_AVX2 = 3, NR_AVX2 = 2 };
  * each column's d and m (Q4_1). */
 typedef struct {
     __m256i p[16];
-    __m256 d, m;
+    __m256 d, m, d2; /* d2: Q6_K's scale of values 16..31 (halves) */
 } strip8;
 
 /* What the driver needs of a format (as strip16_format): unpack(s, w, stride) unpacks the blocks
@@ -35,6 +35,12 @@ typedef struct {
     void (*unpack)(strip8 *s, const char *w, size_t stride);
     size_t block_bytes;
     int has_min;
+    /* K-quants: blocks of subs > 1 sub-blocks of 32 values, sub-block `sub` of the blocks at w
+     * unpacked by unpack_sub instead; halves (Q6_K): values 0..15 and 16..31 of a sub-block
+     * have their own scales, d and d2, each half's dot scaled on its own. */
+    int subs;
+    void (*unpack_sub)(strip8 *s, const char *w, size_t stride, int sub);
+    int halves;
 } strip8_format;
 
 /* 8 rows' 16 bytes (row r at src + r * stride) as g[q], lane r row r's bytes 4q..4q+3: rows r
@@ -102,6 +108,49 @@ AVX2_INLINE void unpack_strip_edge_avx2(strip8 *s, const char *w, size_t stride,
     f.unpack(s, rows[0], sizeof rows[0]);
 }
 
+/* Block b (32 values) of the 8 rows of W from row w (the last strip's first n of them): of a
+ * K-quant, sub-block b % subs of its super-block b / subs. */
+AVX2_INLINE void unpack_block_avx2(strip8 *s, const char *w, size_t stride, Py_ssize_t b,
+                                   int n, const strip8_format f) {
+    if (f.subs <= 1) {
+        w += (size_t)b * f.block_bytes;
+        if (n < 8)
+            unpack_strip_edge_avx2(s, w, stride, n, f);
+        else
+            f.unpack(s, w, stride);
+        return;
+    }
+    w += (size_t)(b / f.subs) * f.block_bytes;
+    const int sub = (int)(b % f.subs);
+    if (n == 8) {
+        f.unpack_sub(s, w, stride, sub);
+        return;
+    }
+    _Alignas(64) char rows[8][NS_MAX_BLOCK_BYTES] = {{0}};
+    for (int c = 0; c < n; c++) memcpy(rows[c], w + (size_t)c * stride, f.block_bytes);
+    f.unpack_sub(s, rows[0], sizeof rows[0], sub);
+}
+
+/* acc[r][c] += dot[r][c] scaled: by the strips' d (or d2, Q6_K's second half) times dx, plus
+ * m sx where the format has a min. */
+AVX2_INLINE void scale_dots_avx2(__m256 acc[4][3], __m256i dot[4][3],
+                                const strip8 *const s[3], const ns_xq *xq, Py_ssize_t r0,
+                                const int mr, const int nr, Py_ssize_t b, const int second_half,
+                                const int has_min) {
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+        const Py_ssize_t at = (r0 + r) * xq->blocks + b;
+        const __m256 dx = _mm256_set1_ps(xq->dx[at]), sx = _mm256_set1_ps(xq->sx[at]);
+#pragma GCC unroll 3
+        for (int c = 0; c < nr; c++) {
+            const __m256 d = second_half ? s[c]->d2 : s[c]->d;
+            acc[r][c] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][c]), _mm256_mul_ps(d, dx), acc[r][c]);
+            if (has_min) acc[r][c] = _mm256_fmadd_ps(s[c]->m, sx, acc[r][c]);
+        }
+    }
+}
+
 /* acc[r][c] over block b: rows r0 .. r0 + mr of x against strips s[c] (their block b), c < nr. */
 AVX2_INLINE void block_step_avx2(__m256 acc[4][3], const strip8 *const s[3], const ns_xq *xq,
                                  Py_ssize_t r0, const int mr, const int nr, Py_ssize_t b,
@@ -115,6 +164,13 @@ AVX2_INLINE void block_step_avx2(__m256 acc[4][3], const strip8 *const s[3], con
         for (int c = 0; c < nr; c++) dot[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
+        if (f.halves && j == 8) { /* Q6_K: values 0..15 done, scaled by d */
+            scale_dots_avx2(acc, dot, s, xq, r0, mr, nr, b, 0, 0);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+                for (int c = 0; c < nr; c++) dot[r][c] = _mm256_setzero_si256();
+        }
         __m256i w[3];
 #pragma GCC unroll 3
         for (int c = 0; c < nr; c++) w[c] = s[c]->p[j];
@@ -128,17 +184,7 @@ AVX2_INLINE void block_step_avx2(__m256 acc[4][3], const strip8 *const s[3], con
                 dot[r][c] = _mm256_add_epi32(dot[r][c], _mm256_madd_epi16(w[c], xb));
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-        const Py_ssize_t at = (r0 + r) * xq->blocks + b;
-        const __m256 dx = _mm256_set1_ps(xq->dx[at]), sx = _mm256_set1_ps(xq->sx[at]);
-#pragma GCC unroll 3
-        for (int c = 0; c < nr; c++) {
-            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][c]), _mm256_mul_ps(s[c]->d, dx),
-                                        acc[r][c]);
-            if (f.has_min) acc[r][c] = _mm256_fmadd_ps(s[c]->m, sx, acc[r][c]);
-        }
-    }
+    scale_dots_avx2(acc, dot, s, xq, r0, mr, nr, b, f.halves, f.has_min);
 }
 
 /* Rows r0 .. r0 + mr by the nr strips from column c0 (the last one `last` columns wide), over all
@@ -166,11 +212,8 @@ AVX2_INLINE void strip_tile_avx2(const ns_qmm *a, const strip8 *panel, Py_ssize_
                 s[c] = panel + c * nb + b;
                 continue;
             }
-            const char *w = a->w + (size_t)(c0 + 8 * c) * a->row_bytes + (size_t)b * f.block_bytes;
-            if (c == nr - 1 && last < 8)
-                unpack_strip_edge_avx2(own + c, w, a->row_bytes, last, f);
-            else
-                f.unpack(own + c, w, a->row_bytes);
+            const char *w = a->w + (size_t)(c0 + 8 * c) * a->row_bytes;
+            unpack_block_avx2(own + c, w, a->row_bytes, b, c == nr - 1 ? last : 8, f);
         }
         block_step_avx2(acc, s, a->x, r0, mr, nr, b, f);
     }
@@ -218,11 +261,8 @@ AVX2_INLINE void unpack_panel_avx2(strip8 *panel, const ns_qmm *a, Py_ssize_t n0
         const Py_ssize_t c0 = n0 + 8 * s;
         const int n = n1 - c0 < 8 ? (int)(n1 - c0) : 8;
         for (Py_ssize_t b = 0; b < nb; b++) {
-            const char *w = a->w + (size_t)c0 * a->row_bytes + (size_t)b * f.block_bytes;
-            if (n < 8)
-                unpack_strip_edge_avx2(panel + (s - p) * nb + b, w, a->row_bytes, n, f);
-            else
-                f.unpack(panel + (s - p) * nb + b, w, a->row_bytes);
+            const char *w = a->w + (size_t)c0 * a->row_bytes;
+            unpack_block_avx2(panel + (s - p) * nb + b, w, a->row_bytes, b, n, f);
         }
     }
 }

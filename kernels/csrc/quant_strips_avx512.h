@@ -39,7 +39,7 @@ enum { MR_AVX512 = 4, NR_AVX512 = 3 };
 /* One block of a strip, unpacked: pairs p[j] (see above), each column's d and m (Q4_1). */
 typedef struct {
     __m512i p[16];
-    __m512 d, m;
+    __m512 d, m, d2; /* d2: Q6_K's scale of values 16..31 (halves) */
 } strip16;
 
 /* What the driver needs of a format, passed as a constant so that each format's kernel is compiled
@@ -49,6 +49,12 @@ typedef struct {
     void (*unpack)(strip16 *s, const char *w, size_t stride);
     size_t block_bytes;
     int has_min;
+    /* K-quants: blocks of subs > 1 sub-blocks of 32 values, sub-block `sub` of the blocks at w
+     * unpacked by unpack_sub instead; halves (Q6_K): values 0..15 and 16..31 of a sub-block
+     * have their own scales, d and d2, each half's dot scaled on its own. */
+    int subs;
+    void (*unpack_sub)(strip16 *s, const char *w, size_t stride, int sub);
+    int halves;
 } strip16_format;
 
 /* 16 rows' 16 bytes (row r at src + r * stride) as 4 registers g[q] whose lane r is row r's
@@ -132,6 +138,49 @@ AVX512_INLINE void unpack_strip_edge_avx512(strip16 *s, const char *w, size_t st
     f.unpack(s, rows[0], sizeof rows[0]);
 }
 
+/* Block b (32 values) of the 16 rows of W from row w (the last strip's first n of them): of a
+ * K-quant, sub-block b % subs of its super-block b / subs. */
+AVX512_INLINE void unpack_block_avx512(strip16 *s, const char *w, size_t stride, Py_ssize_t b,
+                                   int n, const strip16_format f) {
+    if (f.subs <= 1) {
+        w += (size_t)b * f.block_bytes;
+        if (n < 16)
+            unpack_strip_edge_avx512(s, w, stride, n, f);
+        else
+            f.unpack(s, w, stride);
+        return;
+    }
+    w += (size_t)(b / f.subs) * f.block_bytes;
+    const int sub = (int)(b % f.subs);
+    if (n == 16) {
+        f.unpack_sub(s, w, stride, sub);
+        return;
+    }
+    _Alignas(64) char rows[16][NS_MAX_BLOCK_BYTES] = {{0}};
+    for (int c = 0; c < n; c++) memcpy(rows[c], w + (size_t)c * stride, f.block_bytes);
+    f.unpack_sub(s, rows[0], sizeof rows[0], sub);
+}
+
+/* acc[r][c] += dot[r][c] scaled: by the strips' d (or d2, Q6_K's second half) times dx, plus
+ * m sx where the format has a min. */
+AVX512_INLINE void scale_dots_avx512(__m512 acc[4][3], __m512i dot[4][3],
+                                const strip16 *const s[3], const ns_xq *xq, Py_ssize_t r0,
+                                const int mr, const int nr, Py_ssize_t b, const int second_half,
+                                const int has_min) {
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+        const Py_ssize_t at = (r0 + r) * xq->blocks + b;
+        const __m512 dx = _mm512_set1_ps(xq->dx[at]), sx = _mm512_set1_ps(xq->sx[at]);
+#pragma GCC unroll 3
+        for (int c = 0; c < nr; c++) {
+            const __m512 d = second_half ? s[c]->d2 : s[c]->d;
+            acc[r][c] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), _mm512_mul_ps(d, dx), acc[r][c]);
+            if (has_min) acc[r][c] = _mm512_fmadd_ps(s[c]->m, sx, acc[r][c]);
+        }
+    }
+}
+
 /* acc[r][c] over block b: rows r0 .. r0 + mr of x against strips s[c] (their block b), c < nr. */
 AVX512_INLINE void block_step_avx512(__m512 acc[4][3], const strip16 *const s[3], const ns_xq *xq,
                                      Py_ssize_t r0, const int mr, const int nr, Py_ssize_t b,
@@ -145,6 +194,13 @@ AVX512_INLINE void block_step_avx512(__m512 acc[4][3], const strip16 *const s[3]
         for (int c = 0; c < nr; c++) dot[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
+        if (f.halves && j == 8) { /* Q6_K: values 0..15 done, scaled by d */
+            scale_dots_avx512(acc, dot, s, xq, r0, mr, nr, b, 0, 0);
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+                for (int c = 0; c < nr; c++) dot[r][c] = _mm512_setzero_si512();
+        }
         __m512i w[3];
 #pragma GCC unroll 3
         for (int c = 0; c < nr; c++) w[c] = s[c]->p[j];
@@ -157,17 +213,7 @@ AVX512_INLINE void block_step_avx512(__m512 acc[4][3], const strip16 *const s[3]
             for (int c = 0; c < nr; c++) dot[r][c] = dot_pairs_avx512(dot[r][c], w[c], xb, vnni);
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < mr; r++) {
-        const Py_ssize_t at = (r0 + r) * xq->blocks + b;
-        const __m512 dx = _mm512_set1_ps(xq->dx[at]), sx = _mm512_set1_ps(xq->sx[at]);
-#pragma GCC unroll 3
-        for (int c = 0; c < nr; c++) {
-            acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c]), _mm512_mul_ps(s[c]->d, dx),
-                                        acc[r][c]);
-            if (f.has_min) acc[r][c] = _mm512_fmadd_ps(s[c]->m, sx, acc[r][c]);
-        }
-    }
+    scale_dots_avx512(acc, dot, s, xq, r0, mr, nr, b, f.halves, f.has_min);
 }
 
 /* Rows r0 .. r0 + mr by the nr strips from column c0 (the last one `last` columns wide), over all
@@ -197,11 +243,8 @@ AVX512_INLINE void strip_tile_avx512(const ns_qmm *a, const strip16 *panel, Py_s
                 s[c] = panel + c * nb + b;
                 continue;
             }
-            const char *w = a->w + (size_t)(c0 + 16 * c) * a->row_bytes + (size_t)b * f.block_bytes;
-            if (c == nr - 1 && last < 16)
-                unpack_strip_edge_avx512(own + c, w, a->row_bytes, last, f);
-            else
-                f.unpack(own + c, w, a->row_bytes);
+            const char *w = a->w + (size_t)(c0 + 16 * c) * a->row_bytes;
+            unpack_block_avx512(own + c, w, a->row_bytes, b, c == nr - 1 ? last : 16, f);
         }
         block_step_avx512(acc, s, a->x, r0, mr, nr, b, f, vnni);
     }
@@ -252,11 +295,8 @@ AVX512_INLINE void unpack_panel_avx512(strip16 *panel, const ns_qmm *a, Py_ssize
         const Py_ssize_t c0 = n0 + 16 * s;
         const int n = n1 - c0 < 16 ? (int)(n1 - c0) : 16;
         for (Py_ssize_t b = 0; b < nb; b++) {
-            const char *w = a->w + (size_t)c0 * a->row_bytes + (size_t)b * f.block_bytes;
-            if (n < 16)
-                unpack_strip_edge_avx512(panel + (s - p) * nb + b, w, a->row_bytes, n, f);
-            else
-                f.unpack(panel + (s - p) * nb + b, w, a->row_bytes);
+            const char *w = a->w + (size_t)c0 * a->row_bytes;
+            unpack_block_avx512(panel + (s - p) * nb + b, w, a->row_bytes, b, n, f);
         }
     }
 }

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-# The block formats weights may be kept in (the C kernels'): what `quantization` may quantize to.
-BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1")
+# The block formats weights may be kept in (the C kernels'): what `quantization` may quantize to,
+# but the K-quants (kernels.quant.NOT_QUANTIZED: made by llama.cpp's quantizer, refused here).
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 QUANTIZATIONS = ("auto", "none", *BLOCK_FORMATS)
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # nanoserve.kernels' BACKENDS
 LOG_LEVELS = ("debug", "info", "warning", "error")
