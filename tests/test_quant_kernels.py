@@ -154,9 +154,9 @@ def test_quantize_gives_ggufs_bytes(qtype):
 
 
 def _zero_min_signs_only(ours: np.ndarray, theirs: np.ndarray) -> bool:
-    """Whether two Q4_1 (or Q5_1) blocks differ at most in the sign of a zero m. numpy's min of -0.0 and 0.0
-    is whichever its SIMD reduction order meets last; ggml's C reference (and ours) keeps the first
-    of equal values. The values are the same either way."""
+    """Whether two Q4_1 (or Q5_1) blocks differ at most in the sign of a zero m. numpy's min of
+    -0.0 and 0.0 is whichever its SIMD reduction order meets last; ggml's C reference (and ours)
+    keeps the first of equal values. The values are the same either way."""
     m_ours, m_theirs = ours[2:4].view(np.float16)[0], theirs[2:4].view(np.float16)[0]
     return m_ours == 0 == m_theirs and np.array_equal(
         ours[[0, 1, *range(4, len(ours))]], theirs[[0, 1, *range(4, len(ours))]]

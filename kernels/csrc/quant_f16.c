@@ -7,8 +7,8 @@
  * Each out[m, n] is one dot product of row m of x and row n of W, the same operations whatever M,
  * the tile or the thread (bitwise row invariance): per row of x, 32 (AVX-512) or 16 (AVX2) lanes
  * accumulated along K in two registers, added and then reduced in a fixed order (the portable
- * path: 32 lanes, pairwise). Many rows of x pass over a chunk of W's rows that stays in L2 (NS_PANEL_BYTES),
- * four rows of x at a time, so W is read from memory once whatever M.
+ * path: 32 lanes, pairwise). Many rows of x pass over a chunk of W's rows that stays in L2
+ * (NS_PANEL_BYTES), four rows of x at a time, so W is read from memory once whatever M.
  */
 #include "quant.h"
 #include "quant_strips_avx2.h"
@@ -160,7 +160,8 @@ AVX512_INLINE void f16_dots_avx512(const ns_qmm *a, Py_ssize_t r0, const int mr,
 #pragma GCC unroll 4
     for (int m = 0; m < mr; m++) {
         const __m512 v = _mm512_add_ps(acc[m][0], acc[m][1]);
-        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        const __m256 top = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), top);
         a->out[(r0 + m) * a->N + n] = sum_lanes_avx2(h);
     }
 }

@@ -76,7 +76,8 @@ AVX512_INLINE void q5_pairs_avx512(__m512i p[16], const __m512i g[4], __m512i qh
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             const int l = Q5_PAIR_LOW(q, i);
-            __m512i v = _mm512_ternarylogic_epi32(p[4 * q + i], Q5_SHIFT_AVX512(qh, 4 - l), lo, 0xF8);
+            __m512i v = p[4 * q + i];
+            v = _mm512_ternarylogic_epi32(v, Q5_SHIFT_AVX512(qh, 4 - l), lo, 0xF8);
             v = _mm512_ternarylogic_epi32(v, Q5_SHIFT_AVX512(qh, 18 - l), hi, 0xF8);
             p[4 * q + i] = zero_point ? _mm512_sub_epi16(v, zp) : v;
         }
