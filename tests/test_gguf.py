@@ -3,6 +3,7 @@ transformers reading the same file, random checkpoints converted to GGUF against
 Face twins, and one-line refusals of what nanoserve does not read."""
 
 import copy
+import logging
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from tokenizers import pre_tokenizers
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.default_model import NAME, default_model_path
+from nanoserve.model.config import ModelConfig
 from nanoserve.model.gguf_file import GGUFCheckpoint
 from nanoserve.testing.gguf_writer import write_gguf
 from nanoserve.testing.harness import live_server
@@ -166,6 +168,38 @@ def test_quantized_tensors_equal_transformers_reading_the_file(tiny_model_factor
     assert not torch.equal(
         ours["lm_head.weight"], LLM(str(model_dir)).engine.runner.model.weights.lm_head.weight
     )  # fmt: skip (quantized: not the original)
+
+
+MIXED = {  # GGUF matrix name part -> its type: the formats the kernels keep but Q4_x's (above)
+    "token_embd": gguf.GGMLQuantizationType.Q8_0,
+    "attn_q": gguf.GGMLQuantizationType.Q5_1,
+    "attn_k": gguf.GGMLQuantizationType.Q5_1,
+    "attn_v": gguf.GGMLQuantizationType.Q5_1,
+    "attn_output": gguf.GGMLQuantizationType.F16,
+    "ffn_gate": gguf.GGMLQuantizationType.BF16,
+    "ffn_up": gguf.GGMLQuantizationType.BF16,
+    "ffn_down": gguf.GGMLQuantizationType.Q5_0,
+    "output": gguf.GGMLQuantizationType.Q4_0,
+}
+
+
+def test_a_gguf_of_mixed_formats_keeps_each_and_equals_its_float32_self(
+    tiny_model_factory, tmp_path, caplog
+):
+    """A file of mixed formats (as llama.cpp's Q4_K_M) keeps every matrix in its own, logs how
+    many of each, and decodes greedily as the same file de-quantized to float32."""
+    model_dir = tiny_model_factory(tie_word_embeddings=False)
+    path = write_gguf(model_dir, tmp_path / "mixed.gguf", mixed=MIXED)
+    n = ModelConfig.from_dir(model_dir).num_layers
+    with caplog.at_level(logging.INFO):
+        kept = _greedy_ids(path, PROMPTS, dtype="float32")
+    assert (
+        f"matrices kept in their formats: {2 * n} bf16, {n} f16, 1 q4_0, {n} q5_0, {3 * n} q5_1, "
+        "1 q8_0; de-quantized to torch.float32: none"
+    ) in caplog.text
+    for fused in (f"{n} in q5_1 blocks", f"{n} in bf16 blocks", f"{n} in f16 blocks"):
+        assert fused in caplog.text  # q/k/v and gate/up fused in their format
+    assert kept == _greedy_ids(path, PROMPTS, dtype="float32", quantization="none")
 
 
 def _refusal(path: Path, cache: Path) -> str:

@@ -28,6 +28,8 @@ GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in kernels.QUANT_
 QUANTIZED = [name for name in kernels.QUANT_TYPES if name not in quant.NOT_QUANTIZED]
 KQUANTS = [name for name in kernels.QUANT_TYPES if quant.BLOCK_VALUES[name] == 256]
 ROWS = [1, 2, 3, 4, 5, 17, 64, 300]
+MINS = ("q4_1", "q5_1")  # the formats with a min m per block
+FLOATS = ("f16", "bf16")  # 16-bit floats, multiplied by float32 activations (no int16 rounding)
 # (path, VNNI): each runs where the CPU has it; "avx512" without VNNI runs on any AVX-512 CPU.
 PATHS = {
     "portable": ("portable", False),
@@ -92,10 +94,11 @@ def _bounds(x: torch.Tensor, w: QuantizedWeight) -> tuple[np.ndarray, np.ndarray
 
 
 def _mins(w: QuantizedWeight) -> np.ndarray:
-    """|m| of each value's block (Q4_1) or sub-block (Q4_K, Q5_K: dmin m), else 0; [N, K]."""
+    """|m| of each value's block (Q4_1, Q5_1) or sub-block (Q4_K, Q5_K: dmin m), else 0;
+    [N, K]."""
     n, k = w.shape
     raw = w.data.numpy().reshape(n, k // quant.BLOCK_VALUES[w.qtype], -1)
-    if w.qtype == "q4_1":
+    if w.qtype in MINS:
         m = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
     elif w.qtype in ("q4_k", "q5_k"):
         dmin = raw[:, :, 2:4].copy().view(np.float16).astype(np.float64)  # [N, blocks, 1]
@@ -141,9 +144,13 @@ def test_the_block_formats_are_ggufs():
     """The C module's one table of formats (csrc/quant.c), whence QUANT_TYPES, BLOCK_BYTES and the
     qtype codes, against gguf's type ids and block sizes."""
     assert {"q8_0", "q4_0", "q4_1"} <= set(kernels.QUANT_TYPES)
+    assert {"q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16"} <= set(kernels.QUANT_TYPES)
     for name, (code, size, _) in c_backend.BLOCK_FORMATS.items():
         assert (code, size) == (GGML[name].value, quant.BLOCK_BYTES[name]), name
-        assert gguf.GGML_QUANT_SIZES[GGML[name]] == (quant.BLOCK_VALUES[name], size), name
+        values, nbytes = gguf.GGML_QUANT_SIZES[GGML[name]]
+        if name in FLOATS:  # gguf's "block" is one value; the kernels take rows of 32
+            values, nbytes = values * 32, nbytes * 32
+        assert (values, nbytes) == (quant.BLOCK_VALUES[name], size), name
     assert {name: GGML[name].value for name in GGML} == c_backend.QTYPE_CODES
 
 
@@ -154,20 +161,22 @@ def test_quantize_gives_ggufs_bytes(qtype):
         assert q.shape == tuple(w.shape) and q.qtype == qtype
         assert q.data.data_ptr() % quant.ALIGNMENT == 0
         expected = gguf.quants.quantize(w.numpy(), GGML[qtype])
+        expected = expected.view(np.uint8)  # F16's are numpy float16s
         ours = q.data.numpy().copy()
-        if special and qtype == "q4_1":  # the one block whose min is a zero of either sign
-            assert _zero_min_signs_only(ours[1, 20:40], expected[1, 20:40])
-            ours[1, 20:40] = expected[1, 20:40]
+        size = quant.BLOCK_BYTES[qtype]
+        if special and qtype in MINS:  # the one block whose min is a zero of either sign
+            assert _zero_min_signs_only(ours[1, size : 2 * size], expected[1, size : 2 * size])
+            ours[1, size : 2 * size] = expected[1, size : 2 * size]
         assert np.array_equal(ours, expected)
 
 
 def _zero_min_signs_only(ours: np.ndarray, theirs: np.ndarray) -> bool:
-    """Whether two Q4_1 blocks differ at most in the sign of a zero m. numpy's min of -0.0 and 0.0
-    is whichever its SIMD reduction order meets last; ggml's C reference (and ours) keeps the first
-    of equal values. The values are the same either way."""
+    """Whether two Q4_1 (or Q5_1) blocks differ at most in the sign of a zero m. numpy's min of
+    -0.0 and 0.0 is whichever its SIMD reduction order meets last; ggml's C reference (and ours)
+    keeps the first of equal values. The values are the same either way."""
     m_ours, m_theirs = ours[2:4].view(np.float16)[0], theirs[2:4].view(np.float16)[0]
     return m_ours == 0 == m_theirs and np.array_equal(
-        ours[[0, 1, *range(4, 20)]], theirs[[0, 1, *range(4, 20)]]
+        ours[[0, 1, *range(4, len(ours))]], theirs[[0, 1, *range(4, len(ours))]]
     )
 
 
@@ -832,3 +841,22 @@ def test_a_q4_k_weight_through_the_models_linear():
     expected = x.double() @ kernels.dequantize(w).double().T
     got = QuantLinear(w)(x)
     assert (got.double() - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("qtype", FLOATS)
+def test_16_bit_floats_multiply_float32_activations(isa, qtype):
+    """F16 and BF16: the float32 matmul of the widened weights up to the order of the sums (no
+    rounding of x: the int16 term of _bounds is absent), GEMV and GEMM rows alike."""
+    k = 32 * 7
+    w = kernels.quantize(_weight(97, k, seed=5), qtype)
+    widened = kernels.dequantize(w)
+    assert widened.dtype == torch.float32
+    x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(6)) * 2
+    for m in ROWS:
+        x = x_all[:m].contiguous()
+        y = kernels.quantized_linear(x, w)
+        exact = x.double() @ widened.double().T
+        # K / 32 adds into a lane, 5 to add the lanes: each at most u times sum |x w|.
+        bound = (k // 32 + 6) * U * (x.double().abs() @ widened.double().abs().T) + 1e-30
+        assert ((y.double() - exact).abs() <= bound).all(), m
+        torch.testing.assert_close(y, x @ widened.T, rtol=1e-4, atol=1e-4)

@@ -55,7 +55,7 @@ def test_a_ggufs_matrices_stay_in_their_blocks_in_about_the_files_bytes():
     assert not any(isinstance(m, QuantLinear) for m in _weights(none))
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q5_0", "f16", "bf16"])
 def test_quantized_at_load_equals_the_same_blocks_from_a_gguf(tiny_model_factory, tmp_path, qtype):
     """--quantization on a float checkpoint makes gguf's own bytes: the same tokens and logprobs
     as that checkpoint converted to a quantized GGUF by llama.cpp's Python quantizer. (Plain
@@ -71,12 +71,14 @@ def test_quantized_at_load_equals_the_same_blocks_from_a_gguf(tiny_model_factory
     assert run(model=str(model_dir), quantization=qtype) == run(model=str(path))
 
 
-def test_a_requests_tokens_do_not_depend_on_its_batch(tiny_model_factory):
+@pytest.mark.parametrize("qtype", ["q4_0", "bf16"])
+def test_a_requests_tokens_do_not_depend_on_its_batch(tiny_model_factory, qtype):
     """Bitwise, for batches the one-call decode step takes (up to 4 sequences): the block
-    matmuls quantize each row's activations on their own and sum in a fixed order."""
+    matmuls quantize each row's activations on their own (16-bit floats take them as they are)
+    and sum in a fixed order."""
     model_dir = tiny_model_factory(tie_word_embeddings=False)
     # No prefix cache: the later runs would read the first one's blocks, another computation.
-    llm = LLM(str(model_dir), quantization="q4_0", enable_prefix_caching=False)
+    llm = LLM(str(model_dir), quantization=qtype, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
     together = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS[:4]]

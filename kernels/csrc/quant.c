@@ -18,9 +18,11 @@
 /* The formats, each defined in its file quant_<name>.c: adding one is a line here and its file.
  * Python reads them from _C.BLOCK_FORMATS. */
 extern const ns_block_format Q8_0_FORMAT, Q4_0_FORMAT, Q4_1_FORMAT;
-extern const ns_block_format Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT;
-static const ns_block_format *const FORMATS[] = {&Q8_0_FORMAT, &Q4_0_FORMAT, &Q4_1_FORMAT,
-                                                 &Q4_K_FORMAT, &Q5_K_FORMAT, &Q6_K_FORMAT};
+extern const ns_block_format Q5_0_FORMAT, Q5_1_FORMAT, Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT;
+extern const ns_block_format F16_FORMAT, BF16_FORMAT;
+static const ns_block_format *const FORMATS[] = {
+    &Q8_0_FORMAT, &Q4_0_FORMAT, &Q4_1_FORMAT, &Q5_0_FORMAT, &Q5_1_FORMAT,
+    &Q4_K_FORMAT, &Q5_K_FORMAT, &Q6_K_FORMAT, &F16_FORMAT,  &BF16_FORMAT};
 enum { NUM_FORMATS = sizeof FORMATS / sizeof FORMATS[0] };
 
 const ns_block_format *ns_block_format_of(int code) {
@@ -139,17 +141,19 @@ int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t
     const ns_block_format *f = ns_block_format_of(qtype);
     const int path = isa_in_use + vnni_in_use; /* NS_AVX512 + 1 is NS_AVX512_VNNI */
     const uint8_t *order = path == NS_PORTABLE ? NULL : f->pairs;
-    ns_xq xq;
-    void *base = xq_alloc(&xq, M, K);
-    if (!base) return -1;
+    ns_xq xq = {0};
+    void *base = NULL; /* the quantized activations, which a float_x format does without */
+    if (!f->float_x && !(base = xq_alloc(&xq, M, K))) return -1;
     const ns_qmm a = {out, (const char *)w, &xq, M, N, K,
-                      (size_t)(K / ns_block_values(f)) * f->block_bytes};
+                      (size_t)(K / ns_block_values(f)) * f->block_bytes, x};
     const ns_matmul_fn kernel = f->matmul[path];
     if (num_threads > N) num_threads = N > 0 ? (int)N : 1;
 #pragma omp parallel num_threads(num_threads)
     {
+        if (!f->float_x) {
 #pragma omp for schedule(static)
-        for (Py_ssize_t m = 0; m < M; m++) quantize_x_row(&xq, order, x, m);
+            for (Py_ssize_t m = 0; m < M; m++) quantize_x_row(&xq, order, x, m);
+        }
         /* A contiguous range of output features per thread; the split never changes a result. */
         const Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const Py_ssize_t n0 = N * t / nt, n1 = N * (t + 1) / nt;

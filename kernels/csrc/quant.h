@@ -60,6 +60,7 @@ typedef struct {
     const ns_xq *x;
     Py_ssize_t M, N, K;
     size_t row_bytes;
+    const float *xf; /* x itself [M, K], for a format whose activations stay float (float_x) */
 } ns_qmm;
 
 /* A kernel: out[:, n0:n1] of a matmul. Each out[m, n] is the same operations on row m of x and
@@ -83,6 +84,9 @@ typedef struct {
     void (*dequantize)(float *x, const void *block);
     const uint8_t *pairs; /* the order in which the SIMD kernels take a block's activations */
     ns_matmul_fn matmul[NS_NUM_PATHS]; /* the SIMD paths' on x86 only */
+    /* F16 and BF16 (quant_f16.c): "blocks" of 32 plain 16-bit floats whose kernels widen them and
+     * multiply the float32 activations as they are (xf): no int16 rounding, no pairs. */
+    int float_x;
 } ns_block_format;
 
 /* quant.c: the format with GGML type id `code`, or NULL. */

@@ -15,9 +15,10 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-# The block formats weights may be kept in (the C kernels'): what `quantization` may quantize to,
-# but the K-quants (kernels.quant.NOT_QUANTIZED: made by llama.cpp's quantizer, refused here).
-BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+# The formats weights may be kept in (the C kernels' table, in its order): what `quantization` may
+# quantize to, but the K-quants (kernels.quant.NOT_QUANTIZED: made by llama.cpp's quantizer,
+# refused here).
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16")
 QUANTIZATIONS = ("auto", "none", *BLOCK_FORMATS)
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # nanoserve.kernels' BACKENDS
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -127,9 +128,10 @@ class EngineConfig:
         "here", choices=(*DTYPES, "auto"),
     )  # fmt: skip
     quantization: str = setting(
-        "auto", "auto: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks where they can (CPU, "
-        "float32, one process); none: de-quantize them; q8_0/q4_0/q4_1: quantize a float "
-        "checkpoint's matrices at load (CPU, float32)", choices=QUANTIZATIONS,
+        "auto", "auto: a GGUF's matrices stay in their own formats where the kernels take them "
+        "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16; CPU, float32, one process); none: de-quantize "
+        "them; q8_0 ... bf16: keep a float checkpoint's matrices in that format (quantized at "
+        "load; CPU, float32)", choices=QUANTIZATIONS,
     )  # fmt: skip
     device: str = setting("cpu", "cpu, or cuda[:N]", limit=DEVICE)
     block_size: int = setting(16, "tokens per KV block (a power of 2)", limit=POWER_OF_2)

@@ -30,6 +30,7 @@ import torch
 from nanoserve.env import cache_dir
 from nanoserve.gguf_tokenizer import UnsupportedTokenizer, tokenizer_from_gguf
 from nanoserve.kernels import QuantizedWeight, aligned_bytes, c_backend
+from nanoserve.kernels.quant import BLOCK_VALUES
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.quantized import Weight
 from nanoserve.model.weights import LAYER, MODEL
@@ -40,7 +41,8 @@ Q = gguf.GGMLQuantizationType
 DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
-# Kept in their blocks by the CPU kernels: their table of formats (kernels.QUANT_TYPES).
+# Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
+# floats (F16, BF16) included.
 KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
 INDEX_VERSION = 1
 
@@ -66,8 +68,8 @@ class GGUFCheckpoint:
         self.config = self._model_config()
 
     def block_formats(self) -> list[str]:
-        """The block formats of the file's matrices that the CPU kernels take as they are."""
-        kept = {Q(i["type"]) for i in self.tensors.values() if len(i["shape"]) == 2} & set(KEPT)
+        """The formats of the file's matrices that the CPU kernels take as they are."""
+        kept = {Q(i["type"]) for i in self.tensors.values() if _keeps(i)}
         return sorted(q.name.lower() for q in kept)
 
     def tokenizer(self) -> Tokenizer:
@@ -78,31 +80,37 @@ class GGUFCheckpoint:
         self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
     ) -> dict[str, Weight]:
         """Every weight under its Hugging Face name, de-quantized to `dtype` on `device`; with
-        keep_blocks, a matrix in a format the CPU kernels take (KEPT) stays in its blocks."""
+        keep_blocks, every matrix in a format the CPU kernels take (KEPT) stays in it, each in its
+        own (a file of mixed formats, llama.cpp's Q4_K_M say, stays mixed). Logs how many matrices
+        of each format were kept and how many de-quantized."""
         c, weights = self.config, {}
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         permuted = self.meta["general.architecture"] in PERMUTED
+        kept: dict[str, int] = {}
+        dequantized: dict[str, int] = {}
         for name, info in self.tensors.items():
             if name == ROPE_FREQS:
                 continue  # in the config's rope factors
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(name.split(".")[-2])
             heads = heads if permuted else None
-            if keep_blocks and Q(info["type"]) in KEPT and len(info["shape"]) == 2:
+            qtype = Q(info["type"]).name.lower()
+            if keep_blocks and _keeps(info):
                 raw = data[info["offset"] : info["offset"] + info["bytes"]]
                 rows = raw.reshape(info["shape"][0], -1)
                 rows = _unpermute(rows, heads) if heads else rows
-                qtype = Q(info["type"]).name.lower()
                 weight = QuantizedWeight(aligned_bytes(rows.copy()), qtype, tuple(info["shape"]))
                 weights[_hf_name(name)] = weight
+                kept[qtype] = kept.get(qtype, 0) + 1
                 continue
             values = _dequantize(data, info)
             values = _unpermute(values, heads) if heads else values
             weights[_hf_name(name)] = torch.from_numpy(values).to(device=device, dtype=dtype)
-        dequantized = sorted({Q(i["type"]).name for i in self.tensors.values()} - {"F32"})
-        if keep_blocks:
-            dequantized = [n for n in dequantized if Q.__members__[n] not in KEPT]
-        if dequantized:
-            log.info("%s: %s de-quantized to %s", self.path.name, ", ".join(dequantized), dtype)
+            if len(info["shape"]) == 2:
+                dequantized[qtype] = dequantized.get(qtype, 0) + 1
+        log.info(
+            "%s: matrices kept in their formats: %s; de-quantized to %s: %s",
+            self.path.name, _counts(kept), dtype, _counts(dequantized),
+        )  # fmt: skip
         return weights
 
     def _get(self, key: str, default: Any = None) -> Any:
@@ -248,6 +256,20 @@ def _hf_name(name: str) -> str:
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
         return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
     raise GGUFError(f"tensor {name} is not part of a Llama model")
+
+
+def _keeps(info: dict[str, Any]) -> bool:
+    """Whether a tensor stays in its format: a matrix in one of the kernels' formats whose rows
+    are whole blocks."""
+    shape, qtype = info["shape"], Q(info["type"])
+    if qtype not in KEPT or len(shape) != 2:
+        return False
+    return shape[1] % BLOCK_VALUES[qtype.name.lower()] == 0
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """'120 q4_k, 2 q6_k', or 'none'."""
+    return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "none"
 
 
 def _dequantize(data: np.ndarray, info: dict[str, Any]) -> np.ndarray:

@@ -24,10 +24,12 @@ def write_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     architecture: str = "llama",
     pre: str = "gpt-2",
+    mixed: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
     """Write `model_dir` (a Hugging Face Llama, Qwen2 or Qwen3 checkpoint) to `out` as a GGUF
     file whose matrices are of `qtype` (norms and biases stay float32); `pre`: the pre-tokenizer
-    it names."""
+    it names; `mixed`: another type for the matrices whose GGUF name has a part of that name
+    (e.g. {"ffn_down": Q5_0}), as llama.cpp's mixed quantizations (Q4_K_M) make."""
     cfg = ModelConfig.from_dir(model_dir)
     w = gguf.GGUFWriter(str(out), architecture)
     _add_hyperparameters(w, cfg)
@@ -35,8 +37,9 @@ def write_gguf(
     tensors = _tensors(read_checkpoint(model_dir, torch.float32), cfg, architecture == "llama")
     for name, t in tensors.items():
         values = t.contiguous().numpy()
-        if values.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        own = next((q for part, q in (mixed or {}).items() if part in name.split(".")), qtype)
+        if values.ndim == 2 and own != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quants.quantize(values, own), raw_dtype=own)
         else:
             w.add_tensor(name, values)
     w.write_header_to_file()

@@ -1,0 +1,133 @@
+/* Q5_1 (block_q5_1: fp16 d, fp16 m, 32 bits qh of fifth bits, 16 bytes of nibbles; value q d + m):
+ * quantize and de-quantize a block as gguf does, and the matmul's kernels, one per path: portable
+ * C (the reference), AVX2, AVX-512 and AVX-512 with VNNI. The SIMD kernels are quant_strips_*.h's
+ * drivers with this format's unpacking (quant_q5.h). The min's share of a block's dot is
+ * m dx sum(q): m times the activations' sx, as Q4_1's.
+ */
+#include "quant_q5.h"
+
+/* value j = q_j d + m, q_j = nibble j of qs | bit j of qh << 4 */
+typedef struct {
+    uint16_t d, m; /* fp16 */
+    uint8_t qh[4];
+    uint8_t qs[QK / 2];
+} block_q5_1;
+_Static_assert(sizeof(block_q5_1) == 24 && sizeof(block_q5_1) <= NS_MAX_BLOCK_BYTES, "GGUF Q5_1");
+
+static uint32_t q5_1_qh(const block_q5_1 *b) {
+    uint32_t qh;
+    memcpy(&qh, b->qh, 4);
+    return qh;
+}
+
+/* m = min x, d = (max x - m) / 31, q = trunc((x - m) / d + 0.5) capped at 31. */
+static void q5_1_quantize(void *block, const float *x) {
+    block_q5_1 *b = block;
+    float min = x[0], max = x[0];
+    for (int j = 1; j < QK; j++) {
+        min = x[j] < min ? x[j] : min;
+        max = x[j] > max ? x[j] : max;
+    }
+    const float d = (max - min) / 31.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t q[QK];
+    for (int j = 0; j < QK; j++) {
+        const int v = (int)(ns_unfused((x[j] - min) * id) + 0.5f);
+        q[j] = (uint8_t)(v < 31 ? v : 31);
+    }
+    b->d = ns_f32_to_f16(d);
+    b->m = ns_f32_to_f16(min);
+    q5_pack(b->qs, b->qh, q);
+}
+
+static void q5_1_dequantize(float *x, const void *block) {
+    const block_q5_1 *b = block;
+    const float d = ns_f16_to_f32(b->d), m = ns_f16_to_f32(b->m);
+    const uint32_t qh = q5_1_qh(b);
+    for (int j = 0; j < QK; j++) x[j] = ns_unfused(d * (float)q5_value(b->qs, qh, j)) + m;
+}
+
+/* ---------------------------------------------------------------- portable C */
+
+/* The exact integer dot of a block's q and 32 activations in order. */
+static int32_t q5_1_dot(const block_q5_1 *b, const int16_t *x) {
+    const uint32_t qh = q5_1_qh(b);
+    int32_t s = 0;
+    for (int j = 0; j < QK; j++) s += q5_value(b->qs, qh, j) * x[j];
+    return s;
+}
+
+/* One output at a time, blocks in order. */
+static void q5_1_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    const ns_xq *xq = a->x;
+    const Py_ssize_t nb = a->K / QK;
+    for (Py_ssize_t n = n0; n < n1; n++) {
+        const block_q5_1 *row = (const block_q5_1 *)(a->w + (size_t)n * a->row_bytes);
+        for (Py_ssize_t m = 0; m < a->M; m++) {
+            const int16_t *x = xq->q + m * nb * QK;
+            const float *dx = xq->dx + m * nb, *sx = xq->sx + m * nb;
+            float acc = 0.0f;
+            for (Py_ssize_t b = 0; b < nb; b++) {
+                acc += (float)q5_1_dot(row + b, x + b * QK) * (ns_f16_to_f32(row[b].d) * dx[b]);
+                acc += ns_f16_to_f32(row[b].m) * sx[b];
+            }
+            a->out[m * a->N + n] = acc;
+        }
+    }
+}
+
+#if NS_X86
+/* ---------------------------------------------------------------- AVX2 */
+
+/* The blocks at w of 8 rows: d, m and the 5-bit pairs (NS_NIBBLE_PAIRS). */
+AVX2_INLINE void q5_1_unpack_avx2(strip8 *s, const char *w, size_t stride) {
+    const block_q5_1 *b = (const block_q5_1 *)w;
+    strip_heads_avx2(&s->d, &s->m, w, stride, 1);
+    __m256i g[4];
+    transpose_rows_avx2(g, (const char *)b->qs, stride);
+    q5_pairs_avx2(s->p, g, q5_qh_avx2(w, stride, offsetof(block_q5_1, qh)), 0);
+}
+
+static const strip8_format Q5_1_AVX2 = {q5_1_unpack_avx2, sizeof(block_q5_1), 1};
+
+AVX2_KERNEL void q5_1_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    matmul_avx2(a, n0, n1, Q5_1_AVX2);
+}
+
+/* ---------------------------------------------------------------- AVX-512 */
+
+/* The blocks at w of 16 rows: d, m and the 5-bit pairs (NS_NIBBLE_PAIRS). */
+AVX512_INLINE void q5_1_unpack_avx512(strip16 *s, const char *w, size_t stride) {
+    const block_q5_1 *b = (const block_q5_1 *)w;
+    strip_heads_avx512(&s->d, &s->m, w, stride, 1);
+    __m512i g[4];
+    transpose_rows_avx512(g, (const char *)b->qs, stride);
+    q5_pairs_avx512(s->p, g, q5_qh_avx512(w, stride, offsetof(block_q5_1, qh)), 0);
+}
+
+static const strip16_format Q5_1_AVX512 = {q5_1_unpack_avx512, sizeof(block_q5_1), 1};
+
+AVX512_KERNEL void q5_1_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    matmul_avx512(a, n0, n1, Q5_1_AVX512, 0);
+}
+
+AVX512_KERNEL void q5_1_matmul_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    matmul_avx512(a, n0, n1, Q5_1_AVX512, 1);
+}
+#endif
+
+/* This format's row of the table of formats (quant.c). */
+const ns_block_format Q5_1_FORMAT = {
+    .code = 7, /* GGML_TYPE_Q5_1 */
+    .name = "q5_1",
+    .block_bytes = sizeof(block_q5_1),
+    .quantize = q5_1_quantize,
+    .dequantize = q5_1_dequantize,
+    .pairs = NS_NIBBLE_PAIRS,
+    .matmul = {[NS_PORTABLE] = q5_1_matmul_portable,
+#if NS_X86
+               [NS_AVX2] = q5_1_matmul_avx2,
+               [NS_AVX512] = q5_1_matmul_avx512,
+               [NS_AVX512_VNNI] = q5_1_matmul_avx512_vnni
+#endif
+    },
+};
