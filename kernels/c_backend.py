@@ -145,6 +145,17 @@ def rope_(
     )
 
 
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    _C.silu_mul(
+        act=out.data_ptr(),
+        gate_up=gate_up.data_ptr(),
+        rows=gate_up.shape[0],
+        inter=out.shape[1],
+        dtype_code=DTYPE_CODES[gate_up.dtype],
+        num_threads=torch.get_num_threads(),
+    )
+
+
 # GGML's type ids of the GGUF block formats: the C module's qtype codes.
 QTYPE_CODES = {name: code for name, (code, _) in BLOCK_FORMATS.items()}
 

@@ -134,19 +134,6 @@ static void norm_heads(const step_args *s, void *qkv, const layer_weights *w) {
     }
 }
 
-/* act[r, i] = silu(gate[r, i]) * up[r, i] of gate_up rows [gate | up], rounded like torch's
- * F.silu(gate) * up. */
-static void silu_mul(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
-                     int dtype) {
-    for (Py_ssize_t r = 0; r < rows; r++)
-        for (Py_ssize_t i = 0; i < inter; i++) {
-            const float g = ns_load(gate_up, r * 2 * inter + i, dtype);
-            const float up = ns_load(gate_up, r * 2 * inter + inter + i, dtype);
-            const float silu = ns_round(g / (1.0f + expf(-g)), dtype);
-            ns_store(act, r * inter + i, silu * up, dtype);
-        }
-}
-
 /* One allocation for all of the scratch; returns it (to free), or NULL when out of memory. */
 static char *scratch_alloc(const step_args *s, step_scratch *b) {
     const size_t es = ns_dtype_size(s->dtype);
@@ -214,7 +201,7 @@ static int mlp_half(const step_args *s, const step_scratch *b, const layer_weigh
     nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
     rc |= matmul(s, &w->gate_up, b->gate_up, b->x, 2 * I, H);
     add_bias(b->gate_up, &w->gate_up_bias, M, 2 * I, s->dtype);
-    silu_mul(b->act, b->gate_up, M, I, s->dtype);
+    nanoserve_silu_mul_rows(b->act, b->gate_up, M, I, s->dtype, s->threads);
     rc |= matmul(s, &w->down, b->o, b->act, H, I);
     add_bias(b->o, &w->down_bias, M, H, s->dtype);
     add_into(s->h, b->o, M * H, s->dtype);

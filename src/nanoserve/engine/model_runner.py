@@ -151,16 +151,14 @@ class ModelRunner:
     @property
     def invariant_rows(self) -> int | None:
         """The most decode rows of a step whose each row's logits do not depend on the others',
-        so that a speculative verification's rows are bitwise one-token decode steps: the one-call
-        C step's 4 where it runs (its rows and the layer-by-layer path's differ in the last bits),
-        and so the C GEMV's 4 on a CPU with float matrices (oneDNN, which takes more rows, is not
-        row invariant); any number (None) where every matrix is in GGUF blocks and the C step is
-        off (their matmul takes each row on its own). On CUDA no matmul is row invariant at any
-        size: None, and greedy output is as batch invariant as cuBLAS's rows' argmax."""
+        so that a speculative verification's rows are bitwise one-token decode steps: any number
+        (None) where every matrix is in GGUF blocks, whose matmul takes each row on its own (the
+        one-call C step and the layer-by-layer path agree bitwise, so the path does not matter
+        either); else, on a CPU, the C GEMV's 4 (oneDNN, which takes more rows, is not row
+        invariant). On CUDA no matmul is row invariant at any size: None, and greedy output is as
+        batch invariant as the argmax of cuBLAS's rows."""
         if self.device.type == "cuda":
             return None
-        if self.cpu_step is not None:
-            return SMALL_LINEAR_MAX_ROWS
         ms = [m for layer in self.model.weights.layers for m in matrices(layer)]
         ms.append(self.model.weights.lm_head)
         if all(isinstance(m.weight, QuantizedWeight) for m in ms):
