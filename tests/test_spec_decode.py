@@ -189,12 +189,12 @@ def _verification_matches_decodes(llm, rows):
     """A prefill, then `rows` positions verified in one step, against the same prefill in other
     blocks and one decode step per position: bitwise equal logits."""
     runner = llm.engine.runner
-    tokens = list(range(3, 40))
+    tokens = list(range(3, 50))
     step = lambda chunks: runner.execute(runner.prepare(chunks))[0]  # noqa: E731
-    step([_Chunk(tokens, 0, 20, list(range(8)))])
-    verified = step([_Chunk(tokens, 20, rows, list(range(8)), verifies=True)])
-    step([_Chunk(tokens, 0, 20, list(range(8, 16)))])
-    decoded = [step([_Chunk(tokens, 20 + j, 1, list(range(8, 16)))]) for j in range(rows)]
+    step([_Chunk(tokens, 0, 20, list(range(12)))])
+    verified = step([_Chunk(tokens, 20, rows, list(range(12)), verifies=True)])
+    step([_Chunk(tokens, 0, 20, list(range(12, 24)))])
+    decoded = [step([_Chunk(tokens, 20 + j, 1, list(range(12, 24)))]) for j in range(rows)]
     assert verified.shape[0] == rows
     for j in range(rows):
         assert torch.equal(verified[j], decoded[j][0]), f"position {j} of {rows}"
@@ -203,21 +203,22 @@ def _verification_matches_decodes(llm, rows):
 @pytest.mark.parametrize("rows", [2, 4])
 def test_verification_logits_are_bitwise_those_of_decode_steps(tiny_model_dir, rows):
     """Float matrices: up to the C GEMV's 4 rows, which the scheduler keeps drafts within."""
-    llm = LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=16)
+    llm = LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=24)
     assert llm.engine.runner.invariant_rows == 4
     _verification_matches_decodes(llm, rows)
 
 
 def test_verification_logits_in_gguf_blocks_are_bitwise_at_any_rows(tiny_model_dir):
-    """Past 4 rows the step is layer by layer: its rows are the one-call C step's bits too."""
-    llm = LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=16, quantization="q8_0")
+    """The one-call C step (up to 16 rows here) and the layer-by-layer path (past them) give a
+    row the same bits."""
+    llm = LLM(str(tiny_model_dir), block_size=4, num_kv_blocks=24, quantization="q8_0")
     assert llm.engine.runner.invariant_rows is None
-    for rows in (4, 6, 9):
+    for rows in (4, 9, 17):
         _verification_matches_decodes(llm, rows)
 
 
 def test_verification_logits_on_smollm2_are_those_of_decode_steps():
-    llm = LLM(str(default_model_path()), block_size=4, num_kv_blocks=16)
+    llm = LLM(str(default_model_path()), block_size=4, num_kv_blocks=24)
     assert llm.engine.runner.invariant_rows is None
     for rows in (4, 6):
         _verification_matches_decodes(llm, rows)

@@ -1,5 +1,7 @@
-/* A CPU decode step of up to NS_GEMV_ROWS (4) sequences through every decoder layer in one
- * call.
+/* A CPU decode step of up to NS_GEMV_ROWS (4) rows through every decoder layer in one call;
+ * up to NS_STEP_ROWS (16) where every matrix is in GGUF blocks. A row is one sequence's next
+ * token, or one position of a speculative verification (rows of one sequence, each attending to
+ * the cache up to itself: every row's key and value are stored before any row attends).
  *
  * It does what Llama._layers (src/nanoserve/model/llama.py) does layer by layer, with the same C
  * kernels (RMSNorm, GEMV, RoPE, KV store, paged attention), but without returning to Python
@@ -264,7 +266,7 @@ static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
 /* 0, or -1 with a ValueError set when a size or the dtype code is out of range. */
 static int check_sizes(const step_args *s) {
     const decode_args *a = &s->attn;
-    if (s->rows < 1 || s->rows > NS_GEMV_ROWS || (s->dtype != NS_F32 && s->dtype != NS_BF16) ||
+    if (s->rows < 1 || s->rows > NS_STEP_ROWS || (s->dtype != NS_F32 && s->dtype != NS_BF16) ||
         s->hidden < 1 || s->heads < 1 || s->kv_heads < 1 || s->heads % s->kv_heads ||
         s->head_dim < 2 || s->head_dim % 2 || s->intermediate < 1 || a->block_size < 1 ||
         a->num_blocks < 1 || a->max_blocks_per_seq < 1 || s->threads < 1) {
@@ -275,8 +277,17 @@ static int check_sizes(const step_args *s) {
 }
 
 /* 0, or -1 with a ValueError set when a tensor in GGUF blocks comes with bfloat16 activations
- * (the quantized matmuls take float32). */
+ * (the quantized matmuls take float32), or a float matrix with more rows than the GEMV takes. */
 static int check_formats(const step_args *s) {
+    for (Py_ssize_t l = 0; s->rows > NS_GEMV_ROWS && l < s->table->num_layers; l++)
+        for (int f = 0; f < NUM_FIELDS; f++)
+            if (FIELDS[f].blocks && !field_of(&s->table->layers[l], f)->format) {
+                PyErr_Format(PyExc_ValueError,
+                             "decode_layers: %zd rows, more than %d, need every matrix in GGUF "
+                             "blocks; layers[%zd].%s is in floats",
+                             s->rows, NS_GEMV_ROWS, l, FIELDS[f].name);
+                return -1;
+            }
     for (Py_ssize_t l = 0; s->dtype != NS_F32 && l < s->table->num_layers; l++)
         for (int f = 0; f < NUM_FIELDS; f++) {
             const int format = field_of(&s->table->layers[l], f)->format;

@@ -22,6 +22,10 @@ enum ns_dtype { NS_F32 = 0, NS_BF16 = 1, NS_F16 = 2 };
 /* Rows the GEMV (and so the one-call decode step) takes at most; exported as _C.GEMV_ROWS, from
  * which kernels.api.SMALL_LINEAR_MAX_ROWS comes. */
 enum { NS_GEMV_ROWS = 4 };
+/* Rows the one-call decode step takes at most when every matrix is in GGUF blocks (whose matmul
+ * takes any number of rows, each on its own): a speculative verification's rows (decodes and
+ * their drafts); exported as _C.STEP_ROWS. */
+enum { NS_STEP_ROWS = 16 };
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE __attribute__((always_inline)) inline
