@@ -168,7 +168,10 @@ class Scheduler:
         the budget and the free blocks (a draft never preempts)."""
         if self.propose is None:
             return False
-        draft = self.propose(request)[: min(plan.budget - 1, plan.draft_rows)]
+        room = min(plan.budget - 1, plan.draft_rows)
+        if room <= 0:
+            return False
+        draft = self.propose(request)[:room]
         if not draft or not self._allocate(request, 1 + len(draft)):
             return False
         plan.add(request, 1 + len(draft))
