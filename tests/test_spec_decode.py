@@ -4,6 +4,7 @@ outputs beside it, preemption, prefix caching and tensor parallelism; a verifica
 bitwise those of one-token decode steps; its settings refused by name; the block ledger after
 every scenario."""
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +17,7 @@ from nanoserve.engine import StructuredOutputsParams
 from nanoserve.engine.spec_decode import ngram_draft
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.stats import ServingStats
+from nanoserve.testing.harness import MODEL_NAME, live_server
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 POOL = dict(block_size=8, num_kv_blocks=128)
@@ -308,3 +310,21 @@ def test_metrics_use_vllms_names():
     assert "nanoserve:spec_decode_num_draft_tokens_total 10.0" in text
     assert "nanoserve:spec_decode_num_accepted_tokens_total 6.0" in text
     assert "nanoserve:spec_decode_draft_acceptance_rate 0.6" in text
+
+
+async def test_a_server_with_speculation_answers_the_same_and_counts_drafts(tiny_model_dir, off):
+    prompt = [7, 8, 9, 10, 11] * 6
+    expected = off.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    async with live_server(tiny_model_dir, speculative_config=NGRAM, **POOL) as server:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        response = await server.http.post("/v1/completions", json=dict(body, ignore_eos=True))
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected.outputs[0].text
+        metrics = (await server.http.get("/metrics")).text
+    counts = {
+        name: float(re.search(rf"^nanoserve:{name}_total (\S+)$", metrics, re.M).group(1))
+        for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                     "spec_decode_num_accepted_tokens")
+    }  # fmt: skip
+    assert 0 < counts["spec_decode_num_accepted_tokens"] <= counts["spec_decode_num_draft_tokens"]
+    assert counts["spec_decode_num_drafts"] > 0
