@@ -243,6 +243,7 @@ def test_verification_logits_in_gguf_blocks_are_bitwise_at_any_rows(tiny_model_d
 def test_verification_logits_on_smollm2_are_those_of_decode_steps():
     llm = LLM(str(default_model_path()), block_size=4, num_kv_blocks=24)
     assert llm.engine.runner.invariant_rows is None
+    assert llm.engine.runner.verify_rows == 16  # the one-call C step's rows in GGUF blocks
     for rows in (4, 6):
         _verification_matches_decodes(llm, rows)
 

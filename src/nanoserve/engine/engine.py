@@ -90,7 +90,7 @@ class Engine:
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
             propose=self.proposer.propose if self.proposer is not None else None,
-            max_decode_rows=self.runner.invariant_rows,
+            max_decode_rows=self.runner.verify_rows,
         )
         self._spec = SpecStats()
         self._groups: dict[str, list[Request]] = {}

@@ -165,6 +165,16 @@ class ModelRunner:
             return None
         return SMALL_LINEAR_MAX_ROWS
 
+    @property
+    def verify_rows(self) -> int | None:
+        """The most decode rows of a step that verifies drafts: the invariant rows, and no more
+        than the one-call C step takes where it runs (past it, the layer-by-layer path costs
+        more than drafts save, and every decode of a large batch would be given one)."""
+        rows = self.invariant_rows
+        if self.cpu_step is not None:
+            rows = min(rows or self.cpu_step.max_rows, self.cpu_step.max_rows)
+        return rows
+
     def cache_blocks(self) -> int:
         """Blocks in this rank's KV cache (-1 if its layers' tensors disagree)."""
         counts = {t.shape[0] for pair in self.kv_caches for t in pair}

@@ -115,7 +115,8 @@ class Scheduler:
     # Speculative decoding: a draft for a decoding request (engine/spec_decode.py), or None.
     propose: Callable[[Request], list[int]] | None = None
     # The most decode rows (decodes and drafts) of a step with drafts: the rows whose results
-    # do not depend on how many there are (model_runner's `invariant_rows`); None: any number.
+    # do not depend on how many there are, within the one-call C step (model_runner's
+    # `verify_rows`); None: any number.
     max_decode_rows: int | None = None
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
