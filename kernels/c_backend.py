@@ -36,11 +36,11 @@ def enabled() -> bool:
 
 # The dtype codes of the C module (enum ns_dtype in csrc/nanoserve.h).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The most rows decode_layers takes where every matrix is in GGUF blocks (NS_STEP_ROWS).
+STEP_ROWS: int = _C.STEP_ROWS if _C is not None else 4
 # The most rows small_linear and decode_layers take (NS_GEMV_ROWS in csrc/nanoserve.h). The 4 is
 # only for a source tree that was never built, whose C kernels cannot run anyway.
 GEMV_ROWS: int = _C.GEMV_ROWS if _C is not None else 4
-# The most rows decode_layers takes where every matrix is in GGUF blocks (NS_STEP_ROWS).
-STEP_ROWS: int = _C.STEP_ROWS if _C is not None else 4
 # The GGUF block formats the C kernels take, {name: (GGML type id, bytes of a block)}, from their
 # one table (csrc/quant.c, a row in each format's file); empty in a source tree that was never
 # built. Every format's block holds BLOCK_VALUES values along K (QK in csrc/quant.h).

@@ -96,11 +96,11 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__C(void) {
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "GEMV_ROWS", NS_GEMV_ROWS) < 0) Py_CLEAR(m);
-    if (m && PyModule_AddIntConstant(m, "STEP_ROWS", NS_STEP_ROWS) < 0) Py_CLEAR(m);
     if (m && PyModule_AddIntConstant(m, "BLOCK_VALUES", QK) < 0) Py_CLEAR(m);
     PyObject *formats = m ? nanoserve_block_formats() : NULL;
     if (m && (!formats || PyModule_AddObjectRef(m, "BLOCK_FORMATS", formats) < 0)) Py_CLEAR(m);
     Py_XDECREF(formats);
+    if (m && PyModule_AddIntConstant(m, "STEP_ROWS", NS_STEP_ROWS) < 0) Py_CLEAR(m);
     if (m && nanoserve_quant_init() < 0) Py_CLEAR(m);
     return m;
 }
