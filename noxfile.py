@@ -64,6 +64,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "bench.bench_families")  # each family beside transformers
     session.run("python", "-m", "bench.bench_tp")  # one process against two (tensor parallelism)
     session.run("python", "-m", "bench.bench_structured")  # grammars: compile, mask, throughput
+    session.run("python", "-m", "bench.bench_spec")  # n-gram speculation off and on, one stream
     session.run("python", "-m", "bench.bench_serving")
     # Long prompts among short ones: inter-token latency with and without chunked prefill.
     mix = ["--rate", "4", "--concurrency", "--requests", "32", "--prompt-len", "16", "1800",

@@ -155,6 +155,23 @@ def rope_(
     return qk
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of gate_up [rows, 2 * inter] = [gate | up], as [rows, inter].
+
+    CPU float32 and bfloat16 go to the C kernel, which the one-call C decode step uses too, so
+    that a row's result is the same bits whichever path its step takes (torch's vectorised exp
+    and libm's differ in the last bit for some inputs); anything else to torch.
+    """
+    _check_tensor("gate_up", gate_up, "[rows, 2 * inter]")
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must have an even width, got {gate_up.shape[1]}")
+    out = torch.empty(
+        (gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device
+    )
+    _cpu_ops(gate_up).silu_mul(gate_up, out)
+    return out
+
+
 def _cpu_ops(x: torch.Tensor) -> ModuleType:
     """The C module for CPU float32/bfloat16 tensors; otherwise torch."""
     if x.device.type == "cpu" and x.dtype in SMALL_LINEAR_DTYPES and c_backend.enabled():

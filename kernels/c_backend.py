@@ -36,6 +36,8 @@ def enabled() -> bool:
 
 # The dtype codes of the C module (enum ns_dtype in csrc/nanoserve.h).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The most rows decode_layers takes where every matrix is in GGUF blocks (NS_STEP_ROWS).
+STEP_ROWS: int = _C.STEP_ROWS if _C is not None else 4
 # The most rows small_linear and decode_layers take (NS_GEMV_ROWS in csrc/nanoserve.h). The 4 is
 # only for a source tree that was never built, whose C kernels cannot run anyway.
 GEMV_ROWS: int = _C.GEMV_ROWS if _C is not None else 4
@@ -140,6 +142,17 @@ def rope_(
         row_stride=qk.stride(0),
         table_rows=cos.shape[0],
         dtype_code=DTYPE_CODES[qk.dtype],
+        num_threads=torch.get_num_threads(),
+    )
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    _C.silu_mul(
+        act=out.data_ptr(),
+        gate_up=gate_up.data_ptr(),
+        rows=gate_up.shape[0],
+        inter=out.shape[1],
+        dtype_code=DTYPE_CODES[gate_up.dtype],
         num_threads=torch.get_num_threads(),
     )
 

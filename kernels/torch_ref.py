@@ -65,6 +65,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     torch.mul(weight, x32.to(x.dtype), out=out)
 
 
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.mul(torch.nn.functional.silu(gate), up, out=out)
+
+
 def rope_(
     qk: torch.Tensor, heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> None:

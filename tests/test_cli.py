@@ -43,6 +43,15 @@ def test_generate_on_a_checkpoint_prints_prompt_and_greedy_completion(tiny_model
     assert result.stdout == "Hello" + expected.outputs[0].text + "\n"
 
 
+def test_generate_with_ngram_speculation_prints_the_same_completion(tiny_model_dir, tmp_path):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    args = ("generate", str(tiny_model_dir), "--prompt", "a b a b a b", "--max-tokens", "24")
+    plain = _run(*args, env_cache=tmp_path)
+    result = _run(*args, "--speculative-config", spec, env_cache=tmp_path)
+    assert result.returncode == plain.returncode == 0, result.stderr
+    assert result.stdout == plain.stdout
+
+
 def test_generate_demo_builds_and_uses_the_demo_model(tmp_path, monkeypatch):
     result = _run("generate", "demo", "--prompt", "Once upon a time", env_cache=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -98,6 +107,19 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir, tmp_pa
         (["--port", "80800"], ["--port must be an integer in 0..65535, got 80800"]),
         (["--port", "http"], ["--port", "invalid int value: 'http'"]),
         (["--quantization", "q2_k"], ["--quantization", "invalid choice: 'q2_k'"]),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+            ["--speculative-config num_speculative_tokens must be an integer >= 1, got 0"],
+        ),
+        (
+            ["--speculative-config", '{"method": "ngram", "lookahead": 2}'],
+            ["--speculative-config lookahead must be absent", "prompt_lookup_max"],
+        ),
+        (
+            ["--speculative-config", '{"model": "draft.gguf", "num_speculative_tokens": 3}'],
+            ["--speculative-config model must be absent: the draft-model method is not"],
+        ),
+        (["--speculative-config", "ngram"], ["--speculative-config must be a JSON object"]),
     ],
 )
 def test_bad_settings_are_one_line(tiny_model_dir, tmp_path, args, words):

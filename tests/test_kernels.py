@@ -592,3 +592,17 @@ def test_norm_and_rope_reject_bad_arguments(call, words):
 
 def _tables(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ones(16, head_dim), torch.zeros(16, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_is_torchs_swiglu_but_for_the_last_bit(dtype):
+    """The C kernel (libm's expf) against F.silu(gate) * up (torch's vectorised exp)."""
+    gate_up = (torch.randn(37, 2 * 300, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == expected.shape and got.dtype == dtype
+    torch.testing.assert_close(
+        got, expected, rtol=2**-20 if dtype == torch.float32 else 2**-7, atol=0
+    )
+    assert torch.equal(kernels.silu_mul(gate_up[:1].contiguous())[0], got[0])  # row invariant

@@ -191,6 +191,7 @@ class _Chunk:
         self.token_ids, self.start, self.num_new_tokens, self.block_table = tokens, start, n, table
         self.samples = start + n == len(tokens)
         self.prompt_logprob_positions, self.prompt_logprobs = scored, top
+        self.verifies = False
 
 
 def test_a_step_message_carries_every_input_but_the_scoring_targets():

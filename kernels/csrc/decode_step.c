@@ -1,5 +1,7 @@
-/* A CPU decode step of up to NS_GEMV_ROWS (4) sequences through every decoder layer in one
- * call.
+/* A CPU decode step of up to NS_GEMV_ROWS (4) rows through every decoder layer in one call;
+ * up to NS_STEP_ROWS (16) where every matrix is in GGUF blocks. A row is one sequence's next
+ * token, or one position of a speculative verification (rows of one sequence, each attending to
+ * the cache up to itself: every row's key and value are stored before any row attends).
  *
  * It does what Llama._layers (src/nanoserve/model/llama.py) does layer by layer, with the same C
  * kernels (RMSNorm, GEMV, RoPE, KV store, paged attention), but without returning to Python
@@ -134,19 +136,6 @@ static void norm_heads(const step_args *s, void *qkv, const layer_weights *w) {
     }
 }
 
-/* act[r, i] = silu(gate[r, i]) * up[r, i] of gate_up rows [gate | up], rounded like torch's
- * F.silu(gate) * up. */
-static void silu_mul(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
-                     int dtype) {
-    for (Py_ssize_t r = 0; r < rows; r++)
-        for (Py_ssize_t i = 0; i < inter; i++) {
-            const float g = ns_load(gate_up, r * 2 * inter + i, dtype);
-            const float up = ns_load(gate_up, r * 2 * inter + inter + i, dtype);
-            const float silu = ns_round(g / (1.0f + expf(-g)), dtype);
-            ns_store(act, r * inter + i, silu * up, dtype);
-        }
-}
-
 /* One allocation for all of the scratch; returns it (to free), or NULL when out of memory. */
 static char *scratch_alloc(const step_args *s, step_scratch *b) {
     const size_t es = ns_dtype_size(s->dtype);
@@ -214,7 +203,7 @@ static int mlp_half(const step_args *s, const step_scratch *b, const layer_weigh
     nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
     rc |= matmul(s, &w->gate_up, b->gate_up, b->x, 2 * I, H);
     add_bias(b->gate_up, &w->gate_up_bias, M, 2 * I, s->dtype);
-    silu_mul(b->act, b->gate_up, M, I, s->dtype);
+    nanoserve_silu_mul_rows(b->act, b->gate_up, M, I, s->dtype, s->threads);
     rc |= matmul(s, &w->down, b->o, b->act, H, I);
     add_bias(b->o, &w->down_bias, M, H, s->dtype);
     add_into(s->h, b->o, M * H, s->dtype);
@@ -277,7 +266,7 @@ static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
 /* 0, or -1 with a ValueError set when a size or the dtype code is out of range. */
 static int check_sizes(const step_args *s) {
     const decode_args *a = &s->attn;
-    if (s->rows < 1 || s->rows > NS_GEMV_ROWS || (s->dtype != NS_F32 && s->dtype != NS_BF16) ||
+    if (s->rows < 1 || s->rows > NS_STEP_ROWS || (s->dtype != NS_F32 && s->dtype != NS_BF16) ||
         s->hidden < 1 || s->heads < 1 || s->kv_heads < 1 || s->heads % s->kv_heads ||
         s->head_dim < 2 || s->head_dim % 2 || s->intermediate < 1 || a->block_size < 1 ||
         a->num_blocks < 1 || a->max_blocks_per_seq < 1 || s->threads < 1) {
@@ -288,8 +277,17 @@ static int check_sizes(const step_args *s) {
 }
 
 /* 0, or -1 with a ValueError set when a tensor in GGUF blocks comes with bfloat16 activations
- * (the quantized matmuls take float32). */
+ * (the quantized matmuls take float32), or a float matrix with more rows than the GEMV takes. */
 static int check_formats(const step_args *s) {
+    for (Py_ssize_t l = 0; s->rows > NS_GEMV_ROWS && l < s->table->num_layers; l++)
+        for (int f = 0; f < NUM_FIELDS; f++)
+            if (FIELDS[f].blocks && !field_of(&s->table->layers[l], f)->format) {
+                PyErr_Format(PyExc_ValueError,
+                             "decode_layers: %zd rows, more than %d, need every matrix in GGUF "
+                             "blocks; layers[%zd].%s is in floats",
+                             s->rows, NS_GEMV_ROWS, l, FIELDS[f].name);
+                return -1;
+            }
     for (Py_ssize_t l = 0; s->dtype != NS_F32 && l < s->table->num_layers; l++)
         for (int f = 0; f < NUM_FIELDS; f++) {
             const int format = field_of(&s->table->layers[l], f)->format;

@@ -32,6 +32,9 @@ static PyMethodDef methods[] = {
     {"rope", KW_FUNCTION(nanoserve_py_rope), METH_VARARGS | METH_KEYWORDS,
      "rope(qk, positions, cos, sin, rows, heads, head_dim, row_stride, table_rows, dtype_code, "
      "num_threads): rotary embedding in place; positions int64."},
+    {"silu_mul", KW_FUNCTION(nanoserve_py_silu_mul), METH_VARARGS | METH_KEYWORDS,
+     "silu_mul(act, gate_up, rows, inter, dtype_code, num_threads): act = silu(gate) * up of "
+     "rows [gate | up]."},
     {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
      "decode_layers(h, layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
@@ -96,6 +99,7 @@ PyMODINIT_FUNC PyInit__C(void) {
     PyObject *formats = m ? nanoserve_block_formats() : NULL;
     if (m && (!formats || PyModule_AddObjectRef(m, "BLOCK_FORMATS", formats) < 0)) Py_CLEAR(m);
     Py_XDECREF(formats);
+    if (m && PyModule_AddIntConstant(m, "STEP_ROWS", NS_STEP_ROWS) < 0) Py_CLEAR(m);
     if (m && nanoserve_quant_init() < 0) Py_CLEAR(m);
     return m;
 }

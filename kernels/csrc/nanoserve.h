@@ -22,6 +22,10 @@ enum ns_dtype { NS_F32 = 0, NS_BF16 = 1, NS_F16 = 2 };
 /* Rows the GEMV (and so the one-call decode step) takes at most; exported as _C.GEMV_ROWS, from
  * which kernels.api.SMALL_LINEAR_MAX_ROWS comes. */
 enum { NS_GEMV_ROWS = 4 };
+/* Rows the one-call decode step takes at most when every matrix is in GGUF blocks (whose matmul
+ * takes any number of rows, each on its own): a speculative verification's rows (decodes and
+ * their drafts); exported as _C.STEP_ROWS. */
+enum { NS_STEP_ROWS = 16 };
 
 #if defined(__GNUC__)
 #define ALWAYS_INLINE __attribute__((always_inline)) inline
@@ -180,6 +184,8 @@ void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t
 void nanoserve_rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,
                          Py_ssize_t rows, Py_ssize_t heads, Py_ssize_t head_dim,
                          Py_ssize_t row_stride, int dtype, int num_threads);
+void nanoserve_silu_mul_rows(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
+                             int dtype, int num_threads);
 
 /* The Python entry points, (self, args, kwargs), listed in module.c's method table. */
 PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, PyObject *kwargs);
@@ -187,6 +193,7 @@ PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs
 PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rope(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_silu_mul(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_layer_table(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_check_tables(PyObject *self, PyObject *args, PyObject *kwargs);

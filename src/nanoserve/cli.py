@@ -183,8 +183,10 @@ def _flag(f: Field[Any], s: Setting) -> str:
 
 
 def _value_type(hint: Any) -> Any:
-    """int for `int | None`: the type a flag's text converts to."""
-    return next((t for t in get_args(hint) if t is not type(None)), hint)
+    """int for `int | None`: the type a flag's text converts to; a structured setting (such as
+    speculative_config) takes the text, which its config parses."""
+    value_type = next((t for t in get_args(hint) if t is not type(None)), hint)
+    return value_type if value_type in (int, float, str) else str
 
 
 Config = TypeVar("Config")
@@ -198,9 +200,11 @@ def _config(config_class: type[Config], args: argparse.Namespace) -> Config:
     try:
         return config_class(**values)
     except SettingError as e:
-        flag = next(_flag(f, s) for f, s in settings if f.name == e.name)
+        name, _, key = e.name.partition(".")  # a key of a structured setting, if any
+        flag = next(_flag(f, s) for f, s in settings if f.name == name)
+        where = f"{flag} {key}" if key else flag
         default = f" (default: {e.unset})" if e.unset else ""
-        raise UsageError(f"{flag} must be {e.rule}{default}, got {e.value}") from None
+        raise UsageError(f"{where} must be {e.rule}{default}, got {e.value}") from None
 
 
 def _model(args: argparse.Namespace) -> tuple[Path, str]:

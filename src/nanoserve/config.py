@@ -6,6 +6,7 @@ here when a config is built. Both frozen. Imports no torch, so that `--help` ans
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
@@ -113,6 +114,62 @@ DEVICE = Limit("cpu, cuda or cuda:N", lambda v: isinstance(v, str) and bool(_DEV
 BOOLEAN = Limit("True or False", lambda v: isinstance(v, bool))
 
 
+SPEC_METHODS = ("ngram",)  # the draft-model method ({"model": PATH}) is refused by name
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `speculative_config` shape: `method` "ngram" (prompt
+    lookup) proposes up to `num_speculative_tokens` tokens a step, those that followed the
+    latest earlier occurrence of the sequence's last n tokens (n from `prompt_lookup_max` down to
+    `prompt_lookup_min`); the target model verifies them all in one step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig:
+        """From a dict, or its JSON text (the command line's); SettingError names the bad key."""
+        name = "speculative_config"
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SettingError(name, value, f"a JSON object ({e})") from None
+        if not isinstance(value, dict):
+            raise SettingError(name, value, "a JSON object (a dict)")
+        keys = {f.name for f in fields(cls)}
+        values = dict(value)
+        if "model" in values:
+            raise SettingError(
+                name + ".model", values["model"], "absent: the draft-model method is not "
+                'supported yet; use {"method": "ngram", ...}',
+            )  # fmt: skip
+        unknown = sorted(set(values) - keys)
+        if unknown:
+            raise SettingError(
+                f"{name}.{unknown[0]}", values[unknown[0]], "absent: the known keys are "
+                + ", ".join(sorted(keys)),
+            )  # fmt: skip
+        values.setdefault("method", "ngram")
+        if values["method"] not in SPEC_METHODS:
+            raise SettingError(name + ".method", values["method"], "ngram")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if key in values and not POSITIVE.test(values[key]):
+                raise SettingError(f"{name}.{key}", values[key], POSITIVE.rule)
+        spec = cls(**values)
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise SettingError(
+                name + ".prompt_lookup_min", spec.prompt_lookup_min,
+                f"<= prompt_lookup_max ({spec.prompt_lookup_max})",
+            )  # fmt: skip
+        return spec
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: dtype, device, cache geometry, batch budgets and how many processes
@@ -177,8 +234,16 @@ class EngineConfig:
         True, "CUDA: replay decode steps from captured graphs (not with TP > 1)", limit=BOOLEAN,
         cli=False,
     )  # fmt: skip
+    speculative_config: SpeculativeConfig | None = setting(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M}; greedy output is the same as '
+        "without it", unset="off",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # a dict or JSON text becomes the typed config
+            spec = SpeculativeConfig.parse(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
         check(self)
         if self.device == "cpu" and self.dtype == "float16":
             raise SettingError("dtype", self.dtype, "float32, bfloat16 or auto on the CPU")

@@ -5,7 +5,10 @@ tokens, samples, detokenizes and checks stop conditions. Single-threaded and loc
 owns an Engine calls it from one place at a time (the offline loop, or the serving task); it owns
 the scheduler, the KV cache manager, every request and the executor (engine/executor.py), which
 runs the model on one rank or on every rank of a tensor-parallel group: one KV cache manager
-decides every rank's block tables.
+decides every rank's block tables. With speculative decoding (engine/spec_decode.py) a step
+may verify a decode's draft: every position is sampled as if its draft prefix had been accepted,
+and the samples are appended one by one, through the same checks, until one differs from the
+draft or the request finishes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from nanoserve.engine.model_runner import resolve_dtype
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
+from nanoserve.engine.spec_decode import NgramProposer, SpecStats
 from nanoserve.engine.structured import GrammarCompiler, GrammarError, mask_logits
 from nanoserve.model.checkpoint import open_checkpoint
 from nanoserve.tokenizer import IncrementalDetokenizer
@@ -58,6 +62,7 @@ class EngineStats:
     generation_tokens: int
     computed_tokens: int  # all positions run through the model, recomputes too
     mask_seconds: float  # spent filling and applying structured outputs' token masks
+    spec_decode: SpecStats  # speculative drafts verified, their tokens, the tokens kept
 
 
 class Engine:
@@ -77,12 +82,17 @@ class Engine:
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
         )
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
+            propose=self.proposer.propose if self.proposer is not None else None,
+            max_decode_rows=self.runner.verify_rows,
         )
+        self._spec = SpecStats()
         self._groups: dict[str, list[Request]] = {}
         self._seeds = random.Random(0)
         self._generated = 0
@@ -234,6 +244,7 @@ class Engine:
             generation_tokens=self._generated,
             computed_tokens=self._computed,
             mask_seconds=self._mask_s,
+            spec_decode=SpecStats(**vars(self._spec)),
         )
 
     # -- one step -----------------------------------------------------------------------------
@@ -255,22 +266,30 @@ class Engine:
             assert prompt_logprobs is not None
             prompt_logprobs.extend(entries)
         self.scheduler.after_step(batch)
-        ready = [item.request for item in batch if item.samples]
-        if any(r.matcher is not None for r in ready):
+        ready = [item for item in batch if item.samples]
+        # A row per sampled position: a verification's rows come with their draft prefixes.
+        rows = [
+            (item.request, item.draft[:j]) for item in ready for j in range(len(item.draft) + 1)
+        ]
+        if any(r.matcher is not None for r, _ in rows):  # never drafted: one row each
             start = time.perf_counter()
-            logits = mask_logits(logits, [r.matcher for r in ready], self.grammars)
+            logits = mask_logits(logits, [r.matcher for r, _ in rows], self.grammars)
             self._mask_s += time.perf_counter() - start
-        samples = sample(logits, [self._sample_row(r) for r in ready])
+        samples = sample(logits, [self._sample_row(r, prefix) for r, prefix in rows])
         now = time.monotonic()
         touched: dict[str, list[Request]] = {}
-        for request, s in zip(ready, samples, strict=True):
+        first = 0
+        for item in ready:
+            request = item.request
             touched[request.group_id] = self._groups[request.group_id]
+            item_samples = samples[first : first + len(item.draft) + 1]
+            first += len(item_samples)
             if request.max_tokens == 0:  # scoring only: the prompt is computed, nothing more
                 request.finish("length")
-                continue
-            self._append(request, s.token_id, now)
-            if s.logprobs is not None:
-                request.logprobs.append(s.logprobs)
+            elif item.verifies:
+                self._verify(item, [s.token_id for s in item_samples], item_samples, now)
+            else:
+                self._append(request, item_samples[0].token_id, now, item_samples[0].logprobs)
         for item in batch:
             self._computed += item.num_new_tokens
             if item.request.is_finished:
@@ -281,23 +300,40 @@ class Engine:
                 del self._groups[out.request_id]
         return outputs
 
-    def _sample_row(self, request: Request) -> SampleRow:
+    def _verify(self, item: ScheduledRequest, tokens: list[int], samples: list, now: float) -> None:
+        """Append a verification's samples while the draft agrees (and the request runs): the
+        first that differs from the draft, or the one after the whole draft, is the last."""
+        request, draft = item.request, item.draft
+        kept = 0
+        for j, token in enumerate(tokens):
+            self._append(request, token, now, samples[j].logprobs)
+            kept += 1
+            if request.is_finished or j == len(draft) or token != draft[j]:
+                break
+        self._spec.num_drafts += 1
+        self._spec.num_draft_tokens += len(draft)
+        self._spec.num_accepted_tokens += sum(
+            1 for j in range(kept) if j < len(draft) and tokens[j] == draft[j]
+        )
+        self.scheduler.after_verify(item, kept)
+
+    def _sample_row(self, request: Request, draft: tuple[int, ...] = ()) -> SampleRow:
+        """The row of the request's next token, or of the one after `draft` were it accepted."""
         p = request.params
+        position = request.num_output_tokens + len(draft)
         banned: list[int] = []
         # A constrained output ends where its grammar does: min_tokens bans nothing there.
-        if request.num_output_tokens < p.min_tokens and request.matcher is None:
+        if position < p.min_tokens and request.matcher is None:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        return SampleRow(
-            p,
-            request.seed,
-            request.num_output_tokens,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            banned,
-        )
+        output = request.output_token_ids + list(draft) if draft else request.output_token_ids
+        return SampleRow(p, request.seed, position, request.prompt_token_ids, output, banned)
 
-    def _append(self, request: Request, token: int, now: float) -> None:
+    def _append(
+        self, request: Request, token: int, now: float, logprobs: dict | None = None
+    ) -> None:
         p = request.params
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
         request.token_ids.append(token)
         self._generated += 1
         if request.first_token_time is None:

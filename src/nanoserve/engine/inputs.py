@@ -1,7 +1,10 @@
 """The one input packer: a scheduled batch (decodes first, then prefill chunks) as the tensors of
-one forward pass. Eager steps, CUDA-graph steps (padded to a captured size and table width) and
-the memory profile (one dummy prefill) all come through `pack`. Under tensor parallelism the packed
-inputs travel to the other ranks as one message (engine/channel.py). Owns nothing.
+one forward pass. A speculative verification is packed as decodes: one row per position, each
+attending to the cache up to itself, so that each position's logits are those a one-token decode
+step at that position computes (the decode kernels are batch invariant). Eager steps, CUDA-graph
+steps (padded to a captured size and table width) and the memory profile (one dummy prefill) all
+come through `pack`. Under tensor parallelism the packed inputs travel to the other ranks as one
+message (engine/channel.py). Owns nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class Chunk(Protocol):
     def prompt_logprob_positions(self) -> range: ...  # positions whose logits score the prompt
     @property
     def prompt_logprobs(self) -> int: ...  # alternatives wanted at each prompt position
+    @property
+    def verifies(self) -> bool: ...  # decode rows whose every position's logits are wanted
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,9 @@ def pack(
     pad_to: int | None = None,
     table_width: int | None = None,
 ) -> StepInputs:
-    """Decodes (one new token each) must come first. `pad_to` adds decode rows that write no
-    cache slot (-1), attend to one token and sample (`padding`: their logits are dropped);
-    `table_width` fixes the decode tables' width (default: the longest)."""
+    """Decodes (one new token each, or a verification's rows) must come first. `pad_to` adds
+    decode rows that write no cache slot (-1), attend to one token and sample (`padding`: their
+    logits are dropped); `table_width` fixes the decode tables' width (default: the longest)."""
     lists = _Lists([], [], [], [], [], [])
     prefills: list[PrefillChunk] = []
     scoring_rows: list[int] = []
@@ -90,11 +95,14 @@ def pack(
         lists.ids += chunk.token_ids[start : start + n]
         lists.positions += range(start, start + n)
         lists.slots += [slot(chunk.block_table, p, block_size) for p in range(start, start + n)]
-        if chunk.samples:
+        if chunk.verifies:
+            lists.rows += range(row, row + n)
+        elif chunk.samples:
             lists.rows.append(row + n - 1)
-        if n == 1:
-            lists.tables.append(list(chunk.block_table))
-            lists.lens.append(start + 1)
+        if n == 1 or chunk.verifies:
+            decode_table = list(chunk.block_table)
+            lists.tables += [decode_table] * n
+            lists.lens += range(start + 1, start + n + 1)
         else:
             table = chunk.block_table[: cdiv(start + n, block_size)]
             prefills.append(PrefillChunk(row, n, start + n, _tensor(table, torch.int32, device)))

@@ -26,7 +26,7 @@ class ComputedBlocks:
 
 class KVCacheManager:
     """Blocks for requests: `get_computed_blocks`, `allocate_slots`, `cache_blocks`, `free`, and
-    `audit` of the ledger; `num_free_blocks` for the stats."""
+    `trim`, `audit` of the ledger; `num_free_blocks` for the stats."""
 
     def __init__(
         self,
@@ -91,6 +91,15 @@ class KVCacheManager:
             request.block_hashes.append(
                 self.block_pool.register(request.block_table[j], prev, tokens)
             )
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first `num_tokens` tokens (a verification's
+        rejected draft positions). Those blocks were allocated for the draft and never hashed:
+        only blocks full of computed tokens are."""
+        keep = cdiv(num_tokens, self.block_size)
+        assert len(request.block_hashes) <= keep, "a hashed block past the kept tokens"
+        self.block_pool.release(request.block_table[keep:])
+        del request.block_table[keep:]
 
     def free(self, request: Request) -> None:
         """Give back the request's blocks; their cached contents stay findable until reused."""

@@ -22,6 +22,7 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.inputs import Chunk, PromptScoring, StepInputs, pack
 from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv
 from nanoserve.engine.sampling import Logprob, token_logprobs
+from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedWeight
 from nanoserve.model import hugepages
 from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.model.cpu_step import CpuDecodeStep
@@ -30,6 +31,7 @@ from nanoserve.model.llama import KVCaches, Llama
 from nanoserve.model.loader import LlamaWeights, load_weights
 from nanoserve.model.parallel import SINGLE, Parallel
 from nanoserve.model.quantized import formats, quantize_matrices
+from nanoserve.model.weights import matrices
 
 log = logging.getLogger(__name__)
 TokenLogprobs = dict[int, Logprob]
@@ -153,6 +155,33 @@ class ModelRunner:
             index: entries[first : first + len(chunk_targets)]
             for index, first, chunk_targets, _ in scoring.chunks
         }
+
+    @property
+    def invariant_rows(self) -> int | None:
+        """The most decode rows of a step whose each row's logits do not depend on the others',
+        so that a speculative verification's rows are bitwise one-token decode steps: any number
+        (None) where every matrix is in GGUF blocks, whose matmul takes each row on its own (the
+        one-call C step and the layer-by-layer path agree bitwise, so the path does not matter
+        either); else, on a CPU, the C GEMV's 4 (oneDNN, which takes more rows, is not row
+        invariant). On CUDA no matmul is row invariant at any size: None, and greedy output is as
+        batch invariant as the argmax of cuBLAS's rows."""
+        if self.device.type == "cuda":
+            return None
+        ms = [m for layer in self.model.weights.layers for m in matrices(layer)]
+        ms.append(self.model.weights.lm_head)
+        if all(isinstance(m.weight, QuantizedWeight) for m in ms):
+            return None
+        return SMALL_LINEAR_MAX_ROWS
+
+    @property
+    def verify_rows(self) -> int | None:
+        """The most decode rows of a step that verifies drafts: the invariant rows, and no more
+        than the one-call C step takes where it runs (past it, the layer-by-layer path costs
+        more than drafts save, and every decode of a large batch would be given one)."""
+        rows = self.invariant_rows
+        if self.cpu_step is not None:
+            rows = min(rows or self.cpu_step.max_rows, self.cpu_step.max_rows)
+        return rows
 
     def cache_blocks(self) -> int:
         """Blocks in this rank's KV cache (-1 if its layers' tensors disagree)."""
@@ -282,6 +311,7 @@ class _Prefill:
     samples: bool = True
     prompt_logprob_positions: range = range(0)
     prompt_logprobs: int = 0
+    verifies: bool = False
     num_new_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

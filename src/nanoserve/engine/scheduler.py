@@ -11,8 +11,11 @@ are running or waiting, so that their steps stay short however long that prompt.
 requests of a group (n > 1) wait while its first one computes their shared prompt, and while it
 scores it: the group's outputs carry the prompt's logprobs, which must be whole. A request
 that cannot get its next block preempts the most recently admitted one, whose blocks are freed
-and whose tokens are recomputed when it is admitted again. Blocks are the KV cache manager's
-(engine/kv_manager.py): the scheduler asks it for them and never sees the block pool.
+and whose tokens are recomputed when it is admitted again. With speculative decoding a decode
+also takes the slots of its draft (engine/spec_decode.py) when they fit without preempting
+anyone; after the step the engine gives back the rejected ones (`after_verify`). Blocks are the
+KV cache manager's (engine/kv_manager.py): the scheduler asks it for them and never sees the
+block pool.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoserve.engine.kv_manager import ComputedBlocks, KVCacheManager
@@ -28,15 +32,22 @@ from nanoserve.engine.request import Request, Status
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """A request's part of one step: `num_new_tokens` tokens from position `start` on."""
+    """A request's part of one step: `num_new_tokens` tokens from position `start` on. A
+    decode with a `draft` computes its last token and the draft (num_new_tokens = 1 + len)."""
 
     request: Request
     num_new_tokens: int
     start: int
+    draft: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.token_ids
+        return self.request.token_ids + list(self.draft) if self.draft else self.request.token_ids
+
+    @property
+    def verifies(self) -> bool:
+        """Every position's logits are wanted: the request's next token and the draft's check."""
+        return bool(self.draft)
 
     @property
     def block_table(self) -> list[int]:
@@ -45,7 +56,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token: its logits give the next one."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens == self.request.num_tokens + len(self.draft)
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -72,6 +83,8 @@ class _Plan:
     budget: int
     shared: bool  # requests of more than one group are running or waiting
     chunks: dict[Request, int] = field(default_factory=dict)
+    drafts: dict[Request, tuple[int, ...]] = field(default_factory=dict)
+    draft_rows: int = 1 << 30  # rows the drafts may still take
     preempted: bool = False
 
     def add(self, request: Request, num_new: int) -> None:
@@ -80,6 +93,7 @@ class _Plan:
 
     def drop(self, request: Request) -> None:
         self.budget += self.chunks.pop(request, 0)
+        self.draft_rows += len(self.drafts.pop(request, ()))
 
     def has_prefill(self) -> bool:
         return any(n > 1 for n in self.chunks.values())
@@ -98,6 +112,12 @@ class Scheduler:
     # of other groups are running or waiting: each is a row of vocabulary-wide logits, and the
     # steps of those others should not grow with the length of the prompt being scored.
     scoring_turn: int = 256
+    # Speculative decoding: a draft for a decoding request (engine/spec_decode.py), or None.
+    propose: Callable[[Request], list[int]] | None = None
+    # The most decode rows (decodes and drafts) of a step with drafts: the rows whose results
+    # do not depend on how many there are, within the one-call C step (model_runner's
+    # `verify_rows`); None: any number.
+    max_decode_rows: int | None = None
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
@@ -115,9 +135,15 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRequest]:
         plan = _Plan(self.max_num_batched_tokens, self._shared())
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if self.max_decode_rows is not None:
+            plan.draft_rows = self.max_decode_rows - len(decodes)
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes:
-            if request.status is Status.RUNNING and plan.budget > 0:
+            if (
+                request.status is Status.RUNNING
+                and plan.budget > 0
+                and not self._speculate(request, plan)
+            ):
                 self._take(request, 1, plan)
         for request in prefills:
             if request.status is Status.RUNNING and plan.budget > 0:
@@ -132,9 +158,27 @@ class Scheduler:
         scheduled = []
         for request, num_new in plan.chunks.items():
             self._count_recomputed(request, num_new)
-            scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
-        scheduled.sort(key=lambda item: item.num_new_tokens > 1)  # decodes first, as packed
+            draft = plan.drafts.get(request, ())
+            scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens, draft))
+        # Decodes first, as packed (a verification is decode rows).
+        scheduled.sort(key=lambda item: item.num_new_tokens > 1 and not item.verifies)
         return scheduled
+
+    def _speculate(self, request: Request, plan: _Plan) -> bool:
+        """Whether a decode was given its token and a draft: only where the draft's slots fit in
+        the budget and the free blocks (a draft never preempts)."""
+        if self.propose is None:
+            return False
+        room = min(plan.budget - 1, plan.draft_rows)
+        if room <= 0:
+            return False
+        draft = self.propose(request)[:room]
+        if not draft or not self._allocate(request, 1 + len(draft)):
+            return False
+        plan.add(request, 1 + len(draft))
+        plan.drafts[request] = tuple(draft)
+        plan.draft_rows -= len(draft)
+        return True
 
     def _take(self, request: Request, num_new: int, plan: _Plan) -> None:
         """Give a running request `num_new` tokens, preempting the most recently admitted
@@ -252,11 +296,21 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def after_step(self, batch: list[ScheduledRequest]) -> None:
-        """Account the computed tokens and publish newly filled blocks to the prefix cache."""
+        """Account the computed tokens and publish newly filled blocks to the prefix cache;
+        verifications wait for `after_verify`, once the engine knows what it kept."""
         for item in batch:
-            request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if not item.verifies:
+                self._computed(item.request, item.num_new_tokens)
+
+    def after_verify(self, item: ScheduledRequest, num_kept: int) -> None:
+        """A verification kept the cache of its first `num_kept` positions (the last token and
+        the accepted draft): the rejected positions' blocks go back to the pool."""
+        self.kv_cache_manager.trim(item.request, item.start + num_kept)
+        self._computed(item.request, num_kept)
+
+    def _computed(self, request: Request, num_new: int) -> None:
+        request.num_computed_tokens += num_new
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and free its blocks."""

@@ -1,4 +1,5 @@
-"""Every decoder layer of a CPU decode step of up to 4 sequences in one C call.
+"""Every decoder layer of a CPU decode step of up to 4 rows in one C call (up to 16 where every
+matrix is in GGUF blocks: a speculative verification's rows; see engine/spec_decode.py).
 
 The layer-by-layer path makes about 25 Python calls per layer; at batch 1, where a step is a few
 milliseconds of weight reading, their overhead is a sizeable share of it. The C step
@@ -30,6 +31,9 @@ class CpuDecodeStep:
         self.scale = 1.0 / math.sqrt(config.head_dim)
         # Per layer, each weight by its name (a field of the C step's struct layer_weights).
         self.weights = [{name: _stored(getattr(x, name)) for name, _ in LAYER} for x in layers]
+        # The quantized matmul takes any number of rows; the float GEMV up to 4.
+        blocks = all(isinstance(m.weight, QuantizedWeight) for x in layers for m in matrices(x))
+        self.max_rows = c_backend.STEP_ROWS if blocks else SMALL_LINEAR_MAX_ROWS
         self._caches: list[torch.Tensor] = []  # the cache tensors behind self._table
         self._table: object = None
 
@@ -44,11 +48,12 @@ class CpuDecodeStep:
         return c_backend.enabled() and floats_ok and not (blocks and dtype != torch.float32)
 
     def applies(self, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A decode-only step of 1-4 tokens whose metadata has the C step's types and shapes."""
+        """A decode-only step of 1 to max_rows tokens whose metadata has the C step's types and
+        shapes."""
         n = positions.shape[0]
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         return (
-            1 <= n <= SMALL_LINEAR_MAX_ROWS
+            1 <= n <= self.max_rows
             and meta.num_decode == n
             and not meta.prefills
             and meta.backend in ("auto", "c")

@@ -286,5 +286,8 @@ class EngineTask:
             num_recomputed_tokens=s.num_recomputed_tokens,
             peak_running=s.peak_running,
             generation_tokens=s.generation_tokens,
+            spec_decode_num_drafts=s.spec_decode.num_drafts,
+            spec_decode_num_draft_tokens=s.spec_decode.num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec_decode.num_accepted_tokens,
         )
         self.metrics.on_state(self.stats)

@@ -39,6 +39,20 @@ class Metrics:
         self.prefix_hits = Counter(
             p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
         )
+        self.spec_drafts = Counter(
+            p + "spec_decode_num_drafts", "Speculative drafts verified", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            p + "spec_decode_num_draft_tokens", "Speculative draft tokens verified", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            p + "spec_decode_num_accepted_tokens", "Draft tokens the model agreed with", registry=r
+        )
+        self.spec_acceptance = Gauge(
+            p + "spec_decode_draft_acceptance_rate",
+            "Accepted over verified draft tokens since start (0 before any draft)",
+            registry=r,
+        )
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(p + name, doc, buckets=LATENCY_BUCKETS, registry=r)
@@ -50,6 +64,7 @@ class Metrics:
         self._last: dict[str, tuple[int, float]] = {}  # request -> (tokens seen, when)
         self._generated = 0
         self._preempted = 0
+        self._spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens counted so far
 
     def on_arrival(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -69,6 +84,19 @@ class Metrics:
         self._generated = stats.generation_tokens
         self.preemptions.inc(stats.num_preemptions - self._preempted)
         self._preempted = stats.num_preemptions
+        spec = (
+            stats.spec_decode_num_drafts,
+            stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens,
+        )
+        for counter, now, before in zip(
+            (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens),
+            spec, self._spec, strict=True,
+        ):  # fmt: skip
+            counter.inc(now - before)
+        self._spec = spec
+        if spec[1]:
+            self.spec_acceptance.set(spec[2] / spec[1])
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()

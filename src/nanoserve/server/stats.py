@@ -18,6 +18,9 @@ class ServingStats:
     num_recomputed_tokens: int
     peak_running: int
     generation_tokens: int
+    spec_decode_num_drafts: int = 0  # speculative drafts verified
+    spec_decode_num_draft_tokens: int = 0  # their tokens
+    spec_decode_num_accepted_tokens: int = 0  # draft tokens the target model agreed with
 
     @property
     def kv_usage(self) -> float:
