@@ -54,6 +54,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     # The C module checks context_lens and the used block_tables entries before reading the cache.
@@ -72,6 +73,7 @@ def paged_attention_decode(
         num_blocks=num_blocks,
         max_blocks_per_seq=block_tables.shape[1],
         scale=float(scale),
+        window=window,
         dtype_code=DTYPE_CODES[q.dtype],
         num_threads=torch.get_num_threads(),  # one thread setting for torch and the kernel
     )

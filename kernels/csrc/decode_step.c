@@ -306,7 +306,7 @@ static int check_formats(const step_args *s) {
 
 PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    step_args s;
+    step_args s = {0}; /* attn.window 0: the C step runs no sliding window */
     Py_ssize_t table_rows;
     if (parse_step_args(args, kwargs, &s, &table_rows) < 0 || check_sizes(&s) < 0 ||
         check_formats(&s) < 0 || nanoserve_check_positions(s.positions, s.rows, table_rows) < 0 ||

@@ -24,7 +24,7 @@ from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv
 from nanoserve.engine.sampling import Logprob, token_logprobs
 from nanoserve.model import hugepages
 from nanoserve.model.checkpoint import Checkpoint
-from nanoserve.model.cpu_step import CpuDecodeStep
+from nanoserve.model.cpu_step import CpuDecodeStep, gemma_options
 from nanoserve.model.linear import onednn_packs
 from nanoserve.model.llama import KVCaches, Llama
 from nanoserve.model.loader import LlamaWeights, load_weights
@@ -65,12 +65,22 @@ class ModelRunner:
             )
         if positions < mc.max_position_embeddings and not config.max_model_len:
             log.info("context capped to the sliding window, %d positions", positions)
+        if on_cuda and mc.layer_windows:
+            raise ValueError(
+                f"{mc.family}'s sliding-window layers (layer_windows) run on the CPU only: the "
+                "Triton decode kernel has no sliding window"
+            )
         self.model = Llama(mc, self._load(checkpoint), positions, parallel)
         layers = self.model.weights.layers
         # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.
         self.cpu_step: CpuDecodeStep | None = None
-        if not on_cuda and parallel.size == 1 and CpuDecodeStep.supported(layers):
+        if not on_cuda and parallel.size == 1 and CpuDecodeStep.supported(layers, mc):
             self.cpu_step = CpuDecodeStep(layers, mc)
+        elif not on_cuda and parallel.size == 1 and gemma_options(mc):
+            log.info(
+                "decode: layer by layer (the one-call C step does not compute %s)",
+                ", ".join(gemma_options(mc)),
+            )
         self.block_bytes = block_bytes(
             mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size,
             config.torch_dtype,

@@ -5,7 +5,8 @@ milliseconds of weight reading, their overhead is a sizeable share of it. The C 
 (kernels/csrc/decode_step.c) runs the same kernels (RMSNorm, GEMV, RoPE, KV store, paged
 attention) back to back, so a decode step returns to Python once. Prefill chunks, larger batches,
 other devices and dtypes take the layer-by-layer path. A family's options (biases, Qwen3's q/k
-norms) are fields of the C step too, a null pointer where the model has none.
+norms) are fields of the C step too, a null pointer where the model has none. Gemma 3's options
+are not (yet): a Gemma model decodes layer by layer, and the log says so.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from nanoserve.model.config import ModelConfig
 from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+# A layer's tensors the C step has no field for (Gemma 3's; such a model never gets here).
+NOT_IN_C = ("attn_out_norm", "mlp_out_norm")
 
 
 class CpuDecodeStep:
@@ -29,14 +32,18 @@ class CpuDecodeStep:
         self.config = config
         self.scale = 1.0 / math.sqrt(config.head_dim)
         # Per layer, each weight by its name (a field of the C step's struct layer_weights).
-        self.weights = [{name: _stored(getattr(x, name)) for name, _ in LAYER} for x in layers]
+        names = [name for name, _ in LAYER if name not in NOT_IN_C]
+        self.weights = [{name: _stored(getattr(x, name)) for name in names} for x in layers]
         self._caches: list[torch.Tensor] = []  # the cache tensors behind self._table
         self._table: object = None
 
     @staticmethod
-    def supported(layers: list[LayerWeights]) -> bool:
+    def supported(layers: list[LayerWeights], config: ModelConfig) -> bool:
         """Every matrix takes the C GEMV (CPU, float32 or bfloat16, C kernels on) or is kept in
-        GGUF blocks (then with float32 activations)."""
+        GGUF blocks (then with float32 activations), and the model has none of Gemma 3's options
+        (which the C step does not compute: those models decode layer by layer)."""
+        if gemma_options(config):
+            return False
         ms = [m for layer in layers for m in matrices(layer)]
         blocks = any(isinstance(m.weight, QuantizedWeight) for m in ms)
         floats_ok = all(m.gemv or isinstance(m.weight, QuantizedWeight) for m in ms)
@@ -124,3 +131,16 @@ def _stored(w: torch.Tensor | Matrix | None) -> tuple[int, int]:
     if isinstance(t, QuantizedWeight):
         return t.data.data_ptr(), c_backend.QTYPE_CODES[t.qtype]
     return t.data_ptr(), 0
+
+
+def gemma_options(config: ModelConfig) -> list[str]:
+    """The options of config's model that the C step does not compute (Gemma 3's)."""
+    options = {
+        "norm_plus_one": config.norm_plus_one,
+        "embed_scale": config.embed_scale,
+        "activation": config.activation != "silu",
+        "sandwich_norms": config.sandwich_norms,
+        "attn_scale": config.attn_scale is not None,
+        "layer_windows": bool(config.layer_windows),
+    }
+    return [name for name, present in options.items() if present]

@@ -1,0 +1,160 @@
+"""Gemma 3 text (Gemma3ForCausalLM) as options of the one decoder: random checkpoints written by
+transformers, with sliding-window layers (a window of 16, shorter than the prompts) interleaved
+with global ones, give its greedy ids (with prefix caching, preemption and chunked prefill) and
+its prompt logprobs; the window is computed as such (no cap on the context), in the C and torch
+decode kernels and in the prefill mask; what is not implemented is refused by name."""
+
+import json
+
+import pytest
+import torch
+from test_families import POOL, _edit_config, _edited_copy, _reference
+from test_oracle import MAX_TOKENS, _ours, _prompts
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import paged_attention_decode
+from nanoserve.model.config import CheckpointError
+from nanoserve.testing.hf_families import write_family_checkpoint
+
+ROPES = {
+    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
+GEMMA = dict(
+    head_dim=32, sliding_window=16, query_pre_attn_scalar=24, rope_parameters=ROPES,
+    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+)  # fmt: skip
+VARIANTS = {
+    "gemma3": GEMMA,
+    "gemma3-tied-softcap": {**GEMMA, "tie_word_embeddings": True, "final_logit_softcapping": 2.0},
+    "gemma3-linear-global": {
+        **GEMMA, "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {**ROPES, "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                        "rope_theta": 1e6}},
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    cache = {}
+
+    def make(name):
+        if name not in cache:
+            path = tmp_path_factory.mktemp(name)
+            cache[name] = write_family_checkpoint(path, "gemma3_text", **VARIANTS[name])
+        return cache[name]
+
+    return make
+
+
+@pytest.mark.parametrize("engine_args", [{}, POOL], ids=["default", "preempt-chunk"])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_equals_transformers(gemma_dir, name, engine_args):
+    model_dir, prompts = gemma_dir(name), _prompts(500)
+    assert max(len(p) for p in prompts) + MAX_TOKENS > 3 * VARIANTS[name]["sliding_window"]
+    ours, stats = _ours(model_dir, prompts, **engine_args)
+    if engine_args:
+        assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    assert ours == _reference(model_dir, prompts)
+
+
+def test_the_window_is_computed_not_capped(gemma_dir, tmp_path):
+    """The context is not capped to the window, and the window changes the ids (the same weights
+    with a window longer than every sequence give others)."""
+    model_dir = gemma_dir("gemma3")
+    llm = LLM(str(model_dir))
+    assert llm.engine.max_model_len > 16
+    assert llm.engine.runner.cpu_step is None  # Gemma decodes layer by layer
+    wide = _edited_copy(model_dir, tmp_path)
+    _edit_config(wide, sliding_window=4096)
+    prompts = _prompts(500)
+    assert _ours(wide, prompts)[0] != _ours(model_dir, prompts)[0]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied-softcap"])
+def test_prompt_logprobs_equal_transformers(gemma_dir, name):
+    import transformers
+
+    model_dir, prompt = gemma_dir(name), list(range(5, 75))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    params = SamplingParams(prompt_logprobs=3, max_tokens=1, temperature=0)
+    out = LLM(str(model_dir), max_num_batched_tokens=32).generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False
+    )[0]
+    for i in range(1, len(prompt)):
+        for token, lp in out.prompt_logprobs[i].items():
+            assert lp.logprob == pytest.approx(float(reference[i - 1, token]), abs=1e-4)
+
+
+def test_bfloat16_close_to_transformers(gemma_dir):
+    model_dir, prompts = gemma_dir("gemma3"), _prompts(500)[:3]
+    ours, _ = _ours(model_dir, prompts, dtype="bfloat16")
+    ref = _reference(model_dir, prompts, dtype=torch.bfloat16)
+    assert [o[:4] for o in ours] == [r[:4] for r in ref]
+
+
+@pytest.mark.parametrize("backend", ["torch", "c"])
+@pytest.mark.parametrize("window", [1, 5, 8, 13, 100])
+def test_decode_kernels_window_equals_attention_over_the_last_positions(backend, window):
+    """A windowed decode equals full attention over the last `window` positions alone."""
+    from nanoserve.kernels import available_backends
+
+    if backend not in available_backends():
+        pytest.skip(f"no {backend} backend here")
+    torch.manual_seed(0)
+    block, heads, kv_heads, dim, lens = 4, 4, 2, 16, [1, 3, 9, 21, 30]
+    k_cache = torch.randn(48, kv_heads, block, dim)
+    v_cache = torch.randn(48, kv_heads, block, dim)
+    tables = torch.randperm(48, dtype=torch.int32)[: len(lens) * 8].view(len(lens), 8)
+    q = torch.randn(len(lens), heads, dim)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    out = paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.3, backend=backend,
+                                 window=window)  # fmt: skip
+    for i, n in enumerate(lens):
+        slots = [int(tables[i, p // block]) * block + p % block for p in range(n)][-window:]
+        k = k_cache.transpose(1, 2).reshape(-1, kv_heads, dim)[slots].repeat_interleave(2, 1)
+        v = v_cache.transpose(1, 2).reshape(-1, kv_heads, dim)[slots].repeat_interleave(2, 1)
+        probs = torch.softmax(torch.einsum("hd,thd->ht", q[i], k) * 0.3, dim=-1)
+        torch.testing.assert_close(out[i], torch.einsum("ht,thd->hd", probs, v))
+
+
+REFUSED = {
+    "attn-softcap": (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    "bidirectional": (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    "activation": (dict(hidden_activation="gelu"), "hidden_activation 'gelu'"),
+    "rope-per-layer": (
+        dict(rope_parameters={**ROPES, "sliding_attention": {"rope_type": "dynamic",
+                                                              "factor": 2.0, "rope_theta": 1e4}}),
+        "sliding_attention layers: rope_parameters.rope_type 'dynamic' is not implemented",
+    ),
+    "multimodal": (dict(architectures=["Gemma3ForConditionalGeneration"]),
+                   "'Gemma3ForConditionalGeneration'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_what_is_not_implemented_is_refused_by_name(gemma_dir, tmp_path, name):
+    changes, words = REFUSED[name]
+    model_dir = _edited_copy(gemma_dir("gemma3"), tmp_path)
+    _edit_config(model_dir, **changes)
+    with pytest.raises(CheckpointError) as e:
+        LLM(str(model_dir))
+    assert "\n" not in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_the_published_layout_loads(gemma_dir, tmp_path):
+    """google/gemma-3-1b-it's config.json keys: rope_theta, rope_local_base_freq, rope_scaling
+    null, sliding_window_pattern instead of layer_types (layer i slides unless i + 1 is a
+    multiple of it)."""
+    model_dir = _edited_copy(gemma_dir("gemma3"), tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    _edit_config(model_dir, rope_parameters=None, layer_types=None, rope_theta=1e6,
+                 rope_local_base_freq=1e4, sliding_window_pattern=2)  # fmt: skip
+    assert "layer_types" not in json.loads((model_dir / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    prompts = _prompts(500)[:3]
+    assert _ours(model_dir, prompts)[0] == _ours(gemma_dir("gemma3"), prompts)[0]
