@@ -158,3 +158,20 @@ def test_the_published_layout_loads(gemma_dir, tmp_path):
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
     prompts = _prompts(500)[:3]
     assert _ours(model_dir, prompts)[0] == _ours(gemma_dir("gemma3"), prompts)[0]
+
+
+def test_prefix_cache_hits_past_the_window_equal_transformers(gemma_dir):
+    """Prompts sharing a 40-token prefix (more than twice the window), one after the other: the
+    later ones start from cached blocks, and a chunk after a cached prefix is masked by the
+    window as a whole prompt is."""
+    model_dir = gemma_dir("gemma3")
+    shared = _prompts(500)[4][:40]
+    prompts = [shared + tail for tail in ([7, 8, 9], [100] * 20, [3])]
+    llm = LLM(str(model_dir), block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ours = [
+        list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+             .outputs[0].token_ids) for p in prompts
+    ]  # fmt: skip
+    assert llm.engine.stats().num_prefix_hit_tokens >= 2 * 40 - 16
+    assert ours == _reference(model_dir, prompts)
