@@ -66,7 +66,6 @@ def test_the_window_is_computed_not_capped(gemma_dir, tmp_path):
     model_dir = gemma_dir("gemma3")
     llm = LLM(str(model_dir))
     assert llm.engine.max_model_len > 16
-    assert llm.engine.runner.cpu_step is None  # Gemma decodes layer by layer
     wide = _edited_copy(model_dir, tmp_path)
     _edit_config(wide, sliding_window=4096)
     prompts = _prompts(500)
@@ -175,3 +174,25 @@ def test_prefix_cache_hits_past_the_window_equal_transformers(gemma_dir):
     ]  # fmt: skip
     assert llm.engine.stats().num_prefix_hit_tokens >= 2 * 40 - 16
     assert ours == _reference(model_dir, prompts)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied-softcap", "gemma3-linear-global"])
+def test_batch_one_decodes_in_the_one_call_c_step(gemma_dir, name):
+    """Float32: Gemma's options (GELU-tanh, output norms, windows with their RoPE tables, the
+    attention scale) in the C step, past the window: the same ids as layer by layer and as
+    transformers. bfloat16 (float32 norm weights) decodes layer by layer."""
+    from nanoserve.kernels import c_backend
+
+    if not c_backend.enabled():
+        pytest.skip("no C kernels here")
+    model_dir, prompts = gemma_dir(name), [p for p in _prompts(500) if len(p) > 16][:2]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(str(model_dir))
+    assert llm.engine.runner.cpu_step is not None
+    ours = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+                 .outputs[0].token_ids) for p in prompts]  # fmt: skip
+    llm.engine.runner.cpu_step = None  # the layer-by-layer path
+    layered = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+                    .outputs[0].token_ids) for p in prompts]  # fmt: skip
+    assert ours == layered == _reference(model_dir, prompts)
+    assert LLM(str(model_dir), dtype="bfloat16").engine.runner.cpu_step is None
