@@ -196,3 +196,12 @@ def test_batch_one_decodes_in_the_one_call_c_step(gemma_dir, name):
                     .outputs[0].token_ids) for p in prompts]  # fmt: skip
     assert ours == layered == _reference(model_dir, prompts)
     assert LLM(str(model_dir), dtype="bfloat16").engine.runner.cpu_step is None
+
+
+def test_two_ranks_equal_transformers(gemma_dir):
+    model_dir, prompts = gemma_dir("gemma3"), _prompts(500)
+    with LLM(str(model_dir), tensor_parallel_size=2, **POOL) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.stats().num_preemptions > 0
+    assert [list(o.outputs[0].token_ids) for o in outs] == _reference(model_dir, prompts)
