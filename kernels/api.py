@@ -44,7 +44,7 @@ def paged_attention_decode(
     row i are read; context_lens [num_seqs] int32, tokens attended to, the current one included.
     backend: "auto" (triton for CUDA tensors, c for CPU tensors), "torch", "c" or "triton".
     window: a sliding window, > 0: the query (at position context_lens[i] - 1) attends to the
-    last `window` positions only; 0: to all. The Triton kernel has no window.
+    last `window` positions only; 0: to all.
     """
     _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -52,10 +52,6 @@ def paged_attention_decode(
     if out is None:
         out = torch.empty_like(q)
     impl = _backend(backend, q.device)
-    if window and impl.__name__.endswith("triton_decode"):
-        raise BackendUnavailableError(
-            "backend='triton' has no sliding window (window > 0): use the torch backend"
-        )
     if impl is not c_backend and q.device.type == "cpu":
         c_backend.check_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[2])
     if window:

@@ -96,29 +96,57 @@ def test_bfloat16_close_to_transformers(gemma_dir):
     assert [o[:4] for o in ours] == [r[:4] for r in ref]
 
 
-@pytest.mark.parametrize("backend", ["torch", "c"])
+@pytest.mark.parametrize("backend", ["torch", "c", "triton"])
 @pytest.mark.parametrize("window", [1, 5, 8, 13, 100])
 def test_decode_kernels_window_equals_attention_over_the_last_positions(backend, window):
-    """A windowed decode equals full attention over the last `window` positions alone."""
+    """A windowed decode equals full attention over the last `window` positions alone; Triton's
+    with splits of 16 tokens, so that whole splits and tiles fall before the window."""
     from nanoserve.kernels import available_backends
 
     if backend not in available_backends():
-        pytest.skip(f"no {backend} backend here")
+        pytest.skip(f"no {backend} backend here (Triton: see the interpreter test below)")
     torch.manual_seed(0)
-    block, heads, kv_heads, dim, lens = 4, 4, 2, 16, [1, 3, 9, 21, 30]
-    k_cache = torch.randn(48, kv_heads, block, dim)
-    v_cache = torch.randn(48, kv_heads, block, dim)
-    tables = torch.randperm(48, dtype=torch.int32)[: len(lens) * 8].view(len(lens), 8)
+    block, heads, kv_heads, dim, lens = 4, 4, 2, 16, [1, 3, 9, 21, 30, 70]
+    k_cache = torch.randn(128, kv_heads, block, dim)
+    v_cache = torch.randn(128, kv_heads, block, dim)
+    tables = torch.randperm(128, dtype=torch.int32)[: len(lens) * 18].view(len(lens), 18)
     q = torch.randn(len(lens), heads, dim)
     ctx = torch.tensor(lens, dtype=torch.int32)
-    out = paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.3, backend=backend,
-                                 window=window)  # fmt: skip
+    if backend == "triton":
+        from nanoserve.kernels import triton_decode
+
+        out = torch.empty_like(q)
+        triton_decode.paged_attention_decode(
+            q, k_cache, v_cache, tables, ctx, 0.3, out, window, tokens_per_split=32, block_n=16
+        )
+    else:
+        out = paged_attention_decode(q, k_cache, v_cache, tables, ctx, 0.3, backend=backend,
+                                     window=window)  # fmt: skip
     for i, n in enumerate(lens):
         slots = [int(tables[i, p // block]) * block + p % block for p in range(n)][-window:]
         k = k_cache.transpose(1, 2).reshape(-1, kv_heads, dim)[slots].repeat_interleave(2, 1)
         v = v_cache.transpose(1, 2).reshape(-1, kv_heads, dim)[slots].repeat_interleave(2, 1)
         probs = torch.softmax(torch.einsum("hd,thd->ht", q[i], k) * 0.3, dim=-1)
         torch.testing.assert_close(out[i], torch.einsum("ht,thd->hd", probs, v))
+
+
+def test_triton_window_in_the_interpreter():
+    """The Triton cases above, in a child process where TRITON_INTERPRET=1 is set before triton
+    is imported (the only way its kernels run on CPU tensors)."""
+    import os
+    import subprocess
+    import sys
+
+    from nanoserve.kernels import triton_decode
+
+    if triton_decode.INTERPRETED:
+        pytest.skip("this process interprets: ran in-process")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", "decode_kernels and triton"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0 and "5 passed" in result.stdout, result.stdout[-2000:]
 
 
 REFUSED = {

@@ -65,11 +65,6 @@ class ModelRunner:
             )
         if positions < mc.max_position_embeddings and not config.max_model_len:
             log.info("context capped to the sliding window, %d positions", positions)
-        if on_cuda and mc.layer_windows:
-            raise ValueError(
-                f"{mc.family}'s sliding-window layers (layer_windows) run on the CPU only: the "
-                "Triton decode kernel has no sliding window"
-            )
         self.model = Llama(mc, self._load(checkpoint), positions, parallel)
         layers = self.model.weights.layers
         # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.
