@@ -143,7 +143,9 @@ def not_in_c(layers: list[LayerWeights]) -> str | None:
     """Why the C step cannot take these layers where it is their norms' dtype; None: it can."""
     if not layers:
         return None
-    dtype = layers[0].qkv.weight.dtype
+    dtype = layers[0].input_norm.dtype  # GGUF blocks' activations: float32, as their norms
+    if isinstance(layers[0].qkv.weight, torch.Tensor):
+        dtype = layers[0].qkv.weight.dtype
     norms = [getattr(x, name) for x in layers for name, t in LAYER if t.kind == "norm"]
     if any(n is not None and n.dtype != dtype for n in norms):
         return f"float32 norm weights in a {str(dtype).removeprefix('torch.')} model"
