@@ -27,8 +27,8 @@ GEMMA = dict(
 VARIANTS = {
     "gemma3": GEMMA,
     "gemma3-tied-softcap": {**GEMMA, "tie_word_embeddings": True, "final_logit_softcapping": 2.0},
-    "gemma3-linear-global": {
-        **GEMMA, "num_hidden_layers": 3,
+    "gemma3-linear-global-bias": {
+        **GEMMA, "num_hidden_layers": 3, "attention_bias": True,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "rope_parameters": {**ROPES, "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                         "rope_theta": 1e6}},
@@ -204,7 +204,7 @@ def test_prefix_cache_hits_past_the_window_equal_transformers(gemma_dir):
     assert ours == _reference(model_dir, prompts)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied-softcap", "gemma3-linear-global"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-tied-softcap", "gemma3-linear-global-bias"])
 def test_batch_one_decodes_in_the_one_call_c_step(gemma_dir, name):
     """Float32: Gemma's options (GELU-tanh, output norms, windows with their RoPE tables, the
     attention scale) in the C step, past the window: the same ids as layer by layer and as
