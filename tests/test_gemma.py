@@ -233,3 +233,33 @@ def test_two_ranks_equal_transformers(gemma_dir):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert llm.engine.stats().num_preemptions > 0
     assert [list(o.outputs[0].token_ids) for o in outs] == _reference(model_dir, prompts)
+
+
+def test_gemma_3_1b_config_reads_as_transformers_reads_it():
+    """The shapes and keys of google/gemma-3-1b-it's config.json (no layer_types: every sixth
+    layer global), and of a 4B-style linear scaling of the global layers' RoPE."""
+    import transformers
+
+    from nanoserve.model.config import ModelConfig
+
+    published = dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000,
+        rope_local_base_freq=10000, rope_scaling=None, sliding_window=512,
+        sliding_window_pattern=6, query_pre_attn_scalar=256, final_logit_softcapping=None,
+        attn_logit_softcapping=None, attention_bias=False, eos_token_id=[1, 106],
+    )  # fmt: skip
+    c = ModelConfig.from_dict(published)
+    hf = transformers.Gemma3TextConfig(
+        **{k: v for k, v in published.items() if k != "architectures"}
+    )
+    assert c.layer_windows == tuple(512 if t == "sliding_attention" else 0 for t in hf.layer_types)
+    assert c.layer_windows[:6] == (512,) * 5 + (0,)
+    assert (c.rope.theta, c.local_rope and c.local_rope.theta) == (1e6, 1e4)
+    assert c.tie_word_embeddings and c.attn_scale == 256**-0.5 and c.context_limit == 32768
+    scaled = ModelConfig.from_dict({**published, "rope_scaling": {"rope_type": "linear",
+                                                                 "factor": 8.0}})  # fmt: skip
+    assert (scaled.rope.rope_type, scaled.rope.factor) == ("linear", 8.0)
+    assert scaled.local_rope == c.local_rope
