@@ -263,3 +263,11 @@ def test_gemma_3_1b_config_reads_as_transformers_reads_it():
                                                                  "factor": 8.0}})  # fmt: skip
     assert (scaled.rope.rope_type, scaled.rope.factor) == ("linear", 8.0)
     assert scaled.local_rope == c.local_rope
+
+
+def test_an_embedding_quantized_at_load_is_scaled_too(gemma_dir):
+    model_dir, ids = gemma_dir("gemma3"), torch.arange(0, 500, 7)
+    floats = LLM(str(model_dir)).engine.runner.model.embed(ids)
+    blocks = LLM(str(model_dir), quantization="q8_0").engine.runner.model
+    assert type(blocks.weights.embed).__name__ == "QuantizedWeight"
+    torch.testing.assert_close(blocks.embed(ids), floats, atol=0.05, rtol=0.05)

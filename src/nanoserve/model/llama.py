@@ -59,8 +59,9 @@ class Llama:
         """The tokens' embeddings [len(ids), hidden]: a fresh tensor the layers may update."""
         table = self.weights.embed
         if isinstance(table, QuantizedWeight):  # one process (blocks are not sharded)
-            return embed_rows(table, ids)
-        h = self.parallel.embed(table, ids)
+            h = embed_rows(table, ids)
+        else:
+            h = self.parallel.embed(table, ids)
         if self.config.embed_scale:  # Gemma: the scale rounded to the model dtype first
             h.mul_(torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype))
         return h
