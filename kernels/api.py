@@ -34,6 +34,7 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache; returns out.
 
@@ -42,14 +43,23 @@ def paged_attention_decode(
     max_blocks_per_seq] int32, of which only the first ceil(context_lens[i] / block_size) entries of
     row i are read; context_lens [num_seqs] int32, tokens attended to, the current one included.
     backend: "auto" (triton for CUDA tensors, c for CPU tensors), "torch", "c" or "triton".
+    window: a sliding window, > 0: the query (at position context_lens[i] - 1) attends to the
+    last `window` positions only; 0: to all.
     """
     _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
     if out is None:
         out = torch.empty_like(q)
     impl = _backend(backend, q.device)
     if impl is not c_backend and q.device.type == "cpu":
         c_backend.check_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[2])
-    impl.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    if window:
+        impl.paged_attention_decode(
+            q, k_cache, v_cache, block_tables, context_lens, scale, out, window=window
+        )
+    else:
+        impl.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
     return out
 
 

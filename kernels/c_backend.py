@@ -55,6 +55,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     # The C module checks context_lens and the used block_tables entries before reading the cache.
@@ -73,6 +74,7 @@ def paged_attention_decode(
         num_blocks=num_blocks,
         max_blocks_per_seq=block_tables.shape[1],
         scale=float(scale),
+        window=window,
         dtype_code=DTYPE_CODES[q.dtype],
         num_threads=torch.get_num_threads(),  # one thread setting for torch and the kernel
     )
@@ -264,8 +266,16 @@ def decode_layers(
     intermediate: int,
     eps: float,
     scale: float,
+    windows: torch.Tensor | None = None,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gelu: bool = False,
 ) -> None:
-    """Every layer of a decode step on h ([rows, hidden], in place); layers: from layer_table."""
+    """Every layer of a decode step on h ([rows, hidden], in place); layers: from layer_table.
+    windows: [layers] int64, a layer's sliding window (0: none), whose layers rotate by local's
+    (cos, sin), tables of cos's shape; gelu: GELU-tanh instead of SiLU."""
+    if windows is not None:
+        assert local is not None and local[0].shape == cos.shape == local[1].shape
+    lc, ls = local if local is not None else (None, None)
     _C.decode_layers(
         h=h.data_ptr(),
         layers=layers,
@@ -289,4 +299,8 @@ def decode_layers(
         scale=float(scale),
         dtype_code=DTYPE_CODES[h.dtype],
         num_threads=torch.get_num_threads(),
+        windows=0 if windows is None else windows.data_ptr(),
+        local_cos=0 if lc is None else lc.data_ptr(),
+        local_sin=0 if ls is None else ls.data_ptr(),
+        gelu=gelu,
     )

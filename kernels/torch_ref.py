@@ -15,6 +15,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     num_seqs, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -37,6 +38,8 @@ def paged_attention_decode(
     qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = (qf @ k.transpose(-1, -2)) * scale  # [seqs, kv_heads, group, max_ctx]
     padding = torch.arange(max_ctx, device=q.device) >= lens[:, None]
+    if window:  # positions before the window: the query is at lens - 1
+        padding |= torch.arange(max_ctx, device=q.device) < lens[:, None] - window
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out.copy_((probs @ v).view(num_seqs, num_q_heads, head_dim))

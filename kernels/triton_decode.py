@@ -2,7 +2,9 @@
 
 Stage 1 runs one program per (sequence, KV head, split of TOKENS_PER_SPLIT tokens): the split's
 attention for all query heads of that KV head, written as a normalised partial output plus its
-log-sum-exp. Stage 2 merges a sequence's splits in order. The split size is a constant, so the work
+log-sum-exp. Stage 2 merges a sequence's splits in order. A sliding window (window > 0) masks the
+tokens before position context_len - window; splits wholly before it write nothing, and the merge
+starts at the first split the window reaches. The split size is a constant, so the work
 a sequence gets, and so its result, does not depend on the batch or on the GPU (batch invariance).
 On CPU tensors the kernels run only in Triton's interpreter, which TRITON_INTERPRET=1 must switch on
 before triton is first imported (triton.language's own helpers are jitted at import).
@@ -60,8 +62,11 @@ def _attend_tile(
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
     s = tl.where(t_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # Every token so far masked (before a sliding window): a finite shift keeps exp2 off -inf
+    # minus -inf; where m_new is finite it is m_new itself.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - shift)
+    p = tl.exp2(s - shift[:, None])
     l_sum = l_sum * alpha + tl.sum(p, 1)
     v_mask = t_mask[:, None] & d_mask[None, :]
     v = tl.load(v_ptr + row[:, None] + d[None, :], mask=v_mask, other=0.0).to(DOT_DTYPE)
@@ -96,6 +101,7 @@ def _partial_kernel(
     stride_pl_head,
     head_dim,
     block_size,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -106,6 +112,7 @@ def _partial_kernel(
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # the window's first token
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, ctx)
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, BLOCK_D)
@@ -119,7 +126,7 @@ def _partial_kernel(
     tables = table_ptr + seq * stride_table_seq
     for tile in range(SPLIT // BLOCK_N):
         tok = start + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        t_mask = tok < end
+        t_mask = (tok < end) & (tok >= first)
         row = _cache_rows(
             tables, tok, t_mask, kv_head, stride_k_block, stride_k_head, stride_k_tok, block_size
         )
@@ -127,7 +134,7 @@ def _partial_kernel(
             q, k_ptr, v_ptr, row, d, d_mask, t_mask, qk_scale, m, l_sum, acc, DOT_DTYPE, PRECISION
         )
 
-    live = start < ctx
+    live = (start < ctx) & (end > first)
     po_off = seq * stride_po_seq + q_head[:, None] * stride_po_head + split * stride_po_split
     po_mask = live & g_mask[:, None] & d_mask[None, :]
     tl.store(part_out_ptr + po_off + d[None, :], acc / l_sum[:, None], mask=po_mask)
@@ -149,13 +156,16 @@ def _merge_kernel(
     stride_o_seq,
     stride_o_head,
     head_dim,
+    window,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    num_splits = tl.cdiv(tl.load(lens_ptr + seq), SPLIT)
+    ctx = tl.load(lens_ptr + seq)
+    num_splits = tl.cdiv(ctx, SPLIT)
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0) // SPLIT  # its first split
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     po = part_out_ptr + seq * stride_po_seq + head * stride_po_head
@@ -164,10 +174,11 @@ def _merge_kernel(
     # Splits are merged one after the other, in order: a fixed sequence of roundings. The loop runs
     # to the batch's MAX_SPLITS (a constant trip count, see _partial_kernel); iterations past this
     # sequence's own splits leave everything untouched, so the result does not depend on the batch.
-    m = tl.load(pl)
-    acc = tl.load(po + d, mask=d_mask, other=0.0)
+    m = tl.load(pl + first)
+    acc = tl.load(po + first * stride_po_split + d, mask=d_mask, other=0.0)
     total = tl.full([], 1.0, tl.float32)
-    for split in range(1, MAX_SPLITS):
+    for i in range(1, MAX_SPLITS):
+        split = first + i
         live = split < num_splits
         lse = tl.load(pl + split, mask=live, other=float("-inf"))
         part = tl.load(po + split * stride_po_split + d, mask=d_mask & live, other=0.0)
@@ -226,6 +237,7 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
     *,
     tokens_per_split: int = TOKENS_PER_SPLIT,
     block_n: int = BLOCK_N,
@@ -255,6 +267,7 @@ def paged_attention_decode(
         scale,
         part_out,
         part_lse,
+        window,
         block_d=block_d,
         tokens_per_split=tokens_per_split,
         block_n=block_n,
@@ -262,8 +275,9 @@ def paged_attention_decode(
         num_stages=num_stages,
     )
     _launch_merge(
-        part_out, part_lse, out, context_lens, block_d=block_d, tokens_per_split=tokens_per_split
-    )
+        part_out, part_lse, out, context_lens, window, block_d=block_d,
+        tokens_per_split=tokens_per_split,
+    )  # fmt: skip
 
 
 def _launch_partial(
@@ -275,6 +289,7 @@ def _launch_partial(
     scale: float,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
+    window: int,
     *,
     block_d: int,
     tokens_per_split: int,
@@ -308,6 +323,7 @@ def _launch_partial(
         part_lse.stride(1),
         head_dim,
         block_size,
+        window,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs 16 rows
         BLOCK_D=block_d,
@@ -325,6 +341,7 @@ def _launch_merge(
     part_lse: torch.Tensor,
     out: torch.Tensor,
     context_lens: torch.Tensor,
+    window: int,
     *,
     block_d: int,
     tokens_per_split: int,
@@ -344,6 +361,7 @@ def _launch_merge(
         out.stride(0),
         out.stride(1),
         head_dim,
+        window,
         BLOCK_D=block_d,
         SPLIT=tokens_per_split,
         MAX_SPLITS=triton.next_power_of_2(max_splits),  # few distinct values: few compilations

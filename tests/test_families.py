@@ -323,8 +323,8 @@ REFUSED = {
                                        "partial_rotary_factor": 0.5}), None,
         ["partial_rotary_factor"],
     ),
-    "gemma3": (
-        "qwen2", dict(architectures=["Gemma3ForCausalLM"]), None, ["'Gemma3ForCausalLM'"],
+    "phi3": (
+        "qwen2", dict(architectures=["Phi3ForCausalLM"]), None, ["'Phi3ForCausalLM'"],
     ),
 }  # fmt: skip
 

@@ -6,10 +6,12 @@
  * It does what Llama._layers (src/nanoserve/model/llama.py) does layer by layer, with the same C
  * kernels (RMSNorm, GEMV, RoPE, KV store, paged attention), but without returning to Python
  * between ops: at batch 1 a step is a few milliseconds of weight reading, and a return to the
- * interpreter per op would add a sizeable share of it. SwiGLU, the biases and the residual adds
- * are the only arithmetic of its own; each result is rounded to the model dtype where torch would
- * round it. A family's options (biases; Qwen3's RMSNorm of each q and k head) are fields whose
- * data is NULL where the model has none.
+ * interpreter per op would add a sizeable share of it. SwiGLU (or Gemma's GELU-tanh), the biases
+ * and the residual adds are the only arithmetic of its own; each result is rounded to the model
+ * dtype where torch would round it. A family's options (biases; Qwen3's RMSNorm of each q and k
+ * head; Gemma 3's norms of the attention's and the MLP's outputs) are fields whose data is NULL
+ * where the model has none; Gemma 3's sliding-window layers come as a window per layer, with
+ * their own RoPE tables.
  *
  * Each layer comes as a struct layer_weights, its weights by name (the fields of
  * src/nanoserve/model/weights.py's LayerWeights) and its KV cache, filled once by layer_table from
@@ -40,6 +42,7 @@ typedef struct {
 typedef struct {
     step_tensor input_norm, qkv, o, post_norm, gate_up, down;
     step_tensor qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm; /* NULL: absent */
+    step_tensor attn_out_norm, mlp_out_norm;                               /* NULL: absent */
     step_tensor k_cache, v_cache;
 } layer_weights;
 
@@ -61,6 +64,8 @@ static const struct {
     {"down_bias", offsetof(layer_weights, down_bias), 0},
     {"q_norm", offsetof(layer_weights, q_norm), 0},
     {"k_norm", offsetof(layer_weights, k_norm), 0},
+    {"attn_out_norm", offsetof(layer_weights, attn_out_norm), 0},
+    {"mlp_out_norm", offsetof(layer_weights, mlp_out_norm), 0},
     {"k_cache", offsetof(layer_weights, k_cache), 0},
     {"v_cache", offsetof(layer_weights, v_cache), 0},
 };
@@ -84,7 +89,12 @@ typedef struct {
     layer_table *table;
     const int64_t *positions, *slots;
     const void *cos, *sin;
-    decode_args attn; /* out, q, caches set per layer */
+    /* Gemma 3: windows[l] > 0 makes layer l attend to that many last positions, rotated by
+     * local_cos and local_sin (tables of cos's shape); windows NULL: no layer is windowed. */
+    const int64_t *windows;
+    const void *local_cos, *local_sin;
+    int gelu; /* the MLP's activation: GELU-tanh, else SiLU */
+    decode_args attn; /* out, q, caches and window set per layer */
     Py_ssize_t rows, hidden, heads, kv_heads, head_dim, intermediate;
     float eps;
     int dtype, threads;
@@ -136,6 +146,25 @@ static void norm_heads(const step_args *s, void *qkv, const layer_weights *w) {
     }
 }
 
+/* act[r, i] = gelu(gate[r, i]) * up[r, i] of gate_up rows [gate | up], rounded like torch's
+ * F.gelu(gate, approximate="tanh") * up (SwiGLU's silu is nanoserve_silu_mul_rows). */
+static void gelu_mul(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter, int dtype) {
+    const float beta = 0.7978845608028654f; /* sqrt(2 / pi) */
+    for (Py_ssize_t r = 0; r < rows; r++)
+        for (Py_ssize_t i = 0; i < inter; i++) {
+            const float g = ns_load(gate_up, r * 2 * inter + i, dtype);
+            const float up = ns_load(gate_up, r * 2 * inter + inter + i, dtype);
+            const float a = 0.5f * g * (1.0f + tanhf(beta * (g + 0.044715f * g * g * g)));
+            ns_store(act, r * inter + i, ns_round(a, dtype) * up, dtype);
+        }
+}
+
+/* RMSNorm, in place, of rows of x by norm; nothing where the model has no such norm. */
+static void norm_out(const step_args *s, void *x, const step_tensor *norm) {
+    if (!norm->data) return;
+    nanoserve_rms_norm_rows(x, x, norm->data, s->rows, s->hidden, s->eps, s->dtype, s->threads);
+}
+
 /* One allocation for all of the scratch; returns it (to free), or NULL when out of memory. */
 static char *scratch_alloc(const step_args *s, step_scratch *b) {
     const size_t es = ns_dtype_size(s->dtype);
@@ -169,9 +198,10 @@ static void split_qkv(const step_args *s, const step_scratch *b, const kv_cache 
     }
 }
 
-/* The attention half of layer w: h += o_proj(attention(rope(qkv_proj(input_norm(h))))), with
- * the biases and q/k norms the model has. */
-static int attention_half(const step_args *s, const step_scratch *b, const layer_weights *w) {
+/* The attention half of layer l (weights w): h += o_proj(attention(rope(qkv_proj(input_norm(h))))),
+ * with the biases, q/k norms, output norm and window the model has. */
+static int attention_half(const step_args *s, const step_scratch *b, const layer_weights *w,
+                          Py_ssize_t l) {
     const Py_ssize_t M = s->rows, H = s->hidden, D = s->head_dim, q_width = s->heads * D;
     const Py_ssize_t qkv_width = q_width + 2 * s->kv_heads * D;
     int rc = 0;
@@ -179,9 +209,11 @@ static int attention_half(const step_args *s, const step_scratch *b, const layer
     rc |= matmul(s, &w->qkv, b->qkv, b->x, qkv_width, H);
     add_bias(b->qkv, &w->qkv_bias, M, qkv_width, s->dtype);
     norm_heads(s, b->qkv, w);
-    nanoserve_rope_rows(b->qkv, s->positions, s->cos, s->sin, M, s->heads + s->kv_heads, D,
-                        qkv_width, s->dtype, s->threads);
     decode_args a = s->attn;
+    a.window = s->windows ? s->windows[l] : 0;
+    nanoserve_rope_rows(b->qkv, s->positions, a.window ? s->local_cos : s->cos,
+                        a.window ? s->local_sin : s->sin, M, s->heads + s->kv_heads, D, qkv_width,
+                        s->dtype, s->threads);
     const kv_cache c = {(char *)w->k_cache.data, (char *)w->v_cache.data, s->kv_heads,
                         a.block_size, (size_t)D * ns_dtype_size(s->dtype)};
     split_qkv(s, b, &c);
@@ -192,6 +224,7 @@ static int attention_half(const step_args *s, const step_scratch *b, const layer
     rc |= nanoserve_decode_attention(&a, s->threads);
     rc |= matmul(s, &w->o, b->o, b->attn, H, q_width);
     add_bias(b->o, &w->o_bias, M, H, s->dtype);
+    norm_out(s, b->o, &w->attn_out_norm);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }
@@ -203,9 +236,13 @@ static int mlp_half(const step_args *s, const step_scratch *b, const layer_weigh
     nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
     rc |= matmul(s, &w->gate_up, b->gate_up, b->x, 2 * I, H);
     add_bias(b->gate_up, &w->gate_up_bias, M, 2 * I, s->dtype);
-    nanoserve_silu_mul_rows(b->act, b->gate_up, M, I, s->dtype, s->threads);
+    if (s->gelu)
+        gelu_mul(b->act, b->gate_up, M, I, s->dtype);
+    else
+        nanoserve_silu_mul_rows(b->act, b->gate_up, M, I, s->dtype, s->threads);
     rc |= matmul(s, &w->down, b->o, b->act, H, I);
     add_bias(b->o, &w->down_bias, M, H, s->dtype);
+    norm_out(s, b->o, &w->mlp_out_norm);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }
@@ -218,7 +255,7 @@ static int run_layers(const step_args *s) {
     int rc = 0;
     for (Py_ssize_t l = 0; l < s->table->num_layers && rc == 0; l++) {
         const layer_weights *w = &s->table->layers[l];
-        rc |= attention_half(s, &b, w);
+        rc |= attention_half(s, &b, w, l);
         rc |= mlp_half(s, &b, w);
     }
     free(base);
@@ -231,17 +268,27 @@ static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
     static char *kwlist[] = {"h", "layers", "positions", "slots", "cos", "sin", "table_rows",
                              "block_tables", "context_lens", "max_blocks_per_seq", "block_size",
                              "num_blocks", "rows", "hidden", "heads", "kv_heads", "head_dim",
-                             "intermediate", "eps", "scale", "dtype_code", "num_threads", NULL};
+                             "intermediate", "eps", "scale", "dtype_code", "num_threads", "windows",
+                             "local_cos", "local_sin", "gelu", NULL};
     unsigned long long h, positions, slots, cos, sin, tables, lens;
+    unsigned long long windows = 0, local_cos = 0, local_sin = 0;
     PyObject *layers;
     decode_args *a = &s->attn;
     double scale;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "KOKKKKnKKnnnnnnnnnfdii", kwlist, &h, &layers, &positions, &slots, &cos,
-            &sin, table_rows, &tables, &lens, &a->max_blocks_per_seq, &a->block_size,
+            args, kwargs, "KOKKKKnKKnnnnnnnnnfdii|KKKp", kwlist, &h, &layers, &positions, &slots,
+            &cos, &sin, table_rows, &tables, &lens, &a->max_blocks_per_seq, &a->block_size,
             &a->num_blocks, &s->rows, &s->hidden, &s->heads, &s->kv_heads, &s->head_dim,
-            &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads))
+            &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads, &windows, &local_cos,
+            &local_sin, &s->gelu))
         return -1;
+    if (windows && (!local_cos || !local_sin)) {
+        PyErr_SetString(PyExc_ValueError, "decode_layers: windows come with local_cos, local_sin");
+        return -1;
+    }
+    s->windows = (const int64_t *)(uintptr_t)windows;
+    s->local_cos = (const void *)(uintptr_t)local_cos;
+    s->local_sin = (const void *)(uintptr_t)local_sin;
     if (!PyCapsule_IsValid(layers, TABLE_NAME)) {
         PyErr_SetString(PyExc_TypeError, "decode_layers: layers must be what layer_table returns");
         return -1;
@@ -304,7 +351,7 @@ static int check_formats(const step_args *s) {
 
 PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    step_args s;
+    step_args s = {0}; /* attn.window 0: the C step runs no sliding window */
     Py_ssize_t table_rows;
     if (parse_step_args(args, kwargs, &s, &table_rows) < 0 || check_sizes(&s) < 0 ||
         check_formats(&s) < 0 || nanoserve_check_positions(s.positions, s.rows, table_rows) < 0 ||

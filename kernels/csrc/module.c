@@ -38,7 +38,8 @@ static PyMethodDef methods[] = {
     {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
      "decode_layers(h, layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
-     "head_dim, intermediate, eps, scale, dtype_code, num_threads): a decode step of up to "
+     "head_dim, intermediate, eps, scale, dtype_code, num_threads, windows=0, local_cos=0, "
+     "local_sin=0, gelu=False): a decode step of up to "
      "GEMV_ROWS rows through every layer, h updated in place; layers: what layer_table returns; "
      "pointers as ints."},
     {"layer_table", KW_FUNCTION(nanoserve_py_layer_table), METH_VARARGS | METH_KEYWORDS,

@@ -122,6 +122,7 @@ typedef struct {
     const int32_t *block_tables, *context_lens;
     Py_ssize_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks;
     Py_ssize_t max_blocks_per_seq;
+    Py_ssize_t window; /* > 0: attend to the last `window` positions only; 0: to all */
     float scale;
     int dtype;
 } decode_args;

@@ -193,10 +193,11 @@ static inline void prefetch_rows(const char *k, const char *v, size_t bytes) {
 #endif
 }
 
-/* One block of bs key/value rows (a partial last block comes zero-padded, with n valid rows):
- * scores of every query head of the group, then the online-softmax update of each. */
+/* One block of bs key/value rows (a partial last block comes zero-padded, with n valid rows; rows
+ * before lo are outside a sliding window): scores of every query head of the group, then the
+ * online-softmax update of each. */
 static inline void block_step(const scratch *s, const char *restrict k, const char *restrict v,
-                              int dtype, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d,
+                              int dtype, Py_ssize_t lo, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d,
                               Py_ssize_t bs, const char *next_k, const char *next_v,
                               size_t next_row_bytes) {
     const size_t row_bytes = (size_t)d * ns_dtype_size(dtype);
@@ -208,6 +209,7 @@ static inline void block_step(const scratch *s, const char *restrict k, const ch
     }
     for (Py_ssize_t g = 0; g < group; g++) {
         float *restrict sc = s->scores + g * bs;
+        for (Py_ssize_t t = 0; t < lo; t++) sc[t] = -INFINITY;
         for (Py_ssize_t t = n; t < bs; t++) sc[t] = -INFINITY;
         const float m_new = fmaxf(max_of(sc, bs), s->m[g]);
         const float alpha = exp_nonpos(s->m[g] - m_new);
@@ -248,8 +250,13 @@ static ALWAYS_INLINE void decode_one(const decode_args *a, const scratch *s, Py_
         s->m[g] = -INFINITY;
         s->l[g] = 0.0f;
     }
-    for (Py_ssize_t j = 0; j * bs < ctx; j++) {
+    /* A sliding window starts at position first: blocks wholly before it are skipped, and the
+     * rows before it in its block masked (that block holds position first, so every block read
+     * has a score above -inf). */
+    const Py_ssize_t first = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    for (Py_ssize_t j = first / bs; j * bs < ctx; j++) {
         const Py_ssize_t n = ctx - j * bs < bs ? ctx - j * bs : bs;
+        const Py_ssize_t lo = j == first / bs ? first % bs : 0;
         const char *kb = (const char *)a->k + (size_t)table[j] * stride + head_bytes;
         const char *vb = (const char *)a->v + (size_t)table[j] * stride + head_bytes;
         const char *next_k = NULL, *next_v = NULL;
@@ -258,11 +265,11 @@ static ALWAYS_INLINE void decode_one(const decode_args *a, const scratch *s, Py_
             next_v = (const char *)a->v + (size_t)table[j + 1] * stride + head_bytes;
         }
         if (n == bs) {
-            block_step(s, kb, vb, dtype, n, group, d, bs, next_k, next_v, (size_t)d * es);
+            block_step(s, kb, vb, dtype, lo, n, group, d, bs, next_k, next_v, (size_t)d * es);
         } else { /* the last, partial block: zero-padded to a whole one */
             load_block(s->k, kb, n, bs, d, dtype);
             load_block(s->v, vb, n, bs, d, dtype);
-            block_step(s, (const char *)s->k, (const char *)s->v, NS_F32, n, group, d, bs,
+            block_step(s, (const char *)s->k, (const char *)s->v, NS_F32, lo, n, group, d, bs,
                        NULL, NULL, 0);
         }
     }
@@ -358,17 +365,19 @@ PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, Py
     static char *kwlist[] = {"out", "q", "k_cache", "v_cache", "block_tables", "context_lens",
                              "num_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size",
                              "num_blocks", "max_blocks_per_seq", "scale", "dtype_code",
-                             "num_threads", NULL};
+                             "num_threads", "window", NULL};
     unsigned long long out, q, k, v, tables, lens;
-    decode_args a;
+    decode_args a = {0};
     double scale;
     int num_threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKKnnnnnnndii", kwlist, &out, &q, &k, &v,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKKnnnnnnndii|n", kwlist, &out, &q, &k, &v,
                                      &tables, &lens, &a.num_seqs, &a.num_q_heads, &a.num_kv_heads,
                                      &a.head_dim, &a.block_size, &a.num_blocks,
-                                     &a.max_blocks_per_seq, &scale, &a.dtype, &num_threads))
+                                     &a.max_blocks_per_seq, &scale, &a.dtype, &num_threads,
+                                     &a.window))
         return NULL;
     if (a.dtype < NS_F32 || a.dtype > NS_F16 || a.num_kv_heads < 1 || a.head_dim < 1 ||
+        a.window < 0 ||
         a.block_size < 1 || a.num_q_heads % a.num_kv_heads != 0 || num_threads < 1) {
         PyErr_SetString(PyExc_ValueError,
                         "paged_attention_decode: inconsistent sizes or dtype code");

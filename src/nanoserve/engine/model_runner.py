@@ -25,7 +25,7 @@ from nanoserve.engine.sampling import Logprob, token_logprobs
 from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedWeight
 from nanoserve.model import hugepages
 from nanoserve.model.checkpoint import Checkpoint
-from nanoserve.model.cpu_step import CpuDecodeStep
+from nanoserve.model.cpu_step import CpuDecodeStep, not_in_c
 from nanoserve.model.linear import onednn_packs
 from nanoserve.model.llama import KVCaches, Llama
 from nanoserve.model.loader import LlamaWeights, load_weights
@@ -71,8 +71,10 @@ class ModelRunner:
         layers = self.model.weights.layers
         # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.
         self.cpu_step: CpuDecodeStep | None = None
-        if not on_cuda and parallel.size == 1 and CpuDecodeStep.supported(layers):
+        if not on_cuda and parallel.size == 1 and CpuDecodeStep.supported(layers, mc):
             self.cpu_step = CpuDecodeStep(layers, mc)
+        elif not on_cuda and parallel.size == 1 and not_in_c(layers):
+            log.info("decode: layer by layer (the one-call C step: %s)", not_in_c(layers))
         self.block_bytes = block_bytes(
             mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size,
             config.torch_dtype,
@@ -201,7 +203,7 @@ class ModelRunner:
         m, positions, meta = self.model, inputs.positions, inputs.meta
         h = m.embed(inputs.input_ids)  # [num_tokens, hidden], a copy
         if self.cpu_step is not None and self.cpu_step.applies(positions, meta):
-            self.cpu_step(h, positions, kv_caches, meta, m.cos, m.sin)  # h in place
+            self.cpu_step(h, positions, kv_caches, meta, m.cos, m.sin, m.local)  # h in place
         else:
             h = m.layers(h, positions, kv_caches, meta)
         return m.norm(h[rows])

@@ -3,6 +3,8 @@
 A forward step packs decode tokens (one per sequence) first, then prefill chunks. New keys and
 values are written to their cache slots; decode attention goes through the paged kernel API
 (`nanoserve.kernels`), prefill attention through torch SDPA over the sequence's gathered blocks.
+A sliding-window layer (window w > 0) lets the token at position i see positions (i - w, i], as
+transformers' sliding-window mask has it.
 Owns nothing: `AttentionMetadata` is built fresh for every step (by the engine's input packer).
 """
 
@@ -44,6 +46,7 @@ def attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=_store_backend(meta.backend))
     out = torch.empty_like(q)
@@ -58,10 +61,11 @@ def attention(
             scale,
             out=out[:n],
             backend=meta.backend,
+            window=window,
         )
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, window)
     return out
 
 
@@ -77,6 +81,7 @@ def _prefill(
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
     scale: float,
+    window: int,
 ) -> torch.Tensor:
     cached = chunk.context_len - chunk.length
     if cached == 0:
@@ -85,8 +90,12 @@ def _prefill(
     else:
         keys = _gather(k_cache, chunk)
         values = _gather(v_cache, chunk)
+    if cached or (window and chunk.length > window):
         rows = torch.arange(chunk.length, device=q.device).unsqueeze(1) + cached
-        mask = torch.arange(chunk.context_len, device=q.device).unsqueeze(0) <= rows
+        cols = torch.arange(chunk.context_len, device=q.device).unsqueeze(0)
+        mask = cols <= rows
+        if window:
+            mask &= cols > rows - window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # [num_heads, length, head_dim]
         keys,  # [num_kv_heads, context_len, head_dim]

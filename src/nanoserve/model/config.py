@@ -2,7 +2,9 @@
 the `rope_theta` + `rope_scaling` layout of the published Llama-3.2 checkpoints and the newer
 `rope_parameters` layout), every field checked here: a `CheckpointError` names the file and the
 field. The families (Llama, Qwen2, Qwen3) are options of one decoder; a key that would change
-the computation in a way nanoserve does not implement is refused by name. Frozen; imports no
+the computation in a way nanoserve does not implement is refused by name. Gemma 3 text
+(`Gemma3ForCausalLM`) is the same decoder with its options: (1 + w) norms, a scaled embedding,
+GELU-tanh, four norms a layer, and sliding-window layers with their own RoPE. Frozen; imports no
 torch, so the command line checks a checkpoint before torch loads.
 """
 
@@ -20,6 +22,7 @@ FAMILIES = {
     "MistralForCausalLM": "mistral",  # Llama's computation; a sliding window caps the context
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
@@ -65,10 +68,24 @@ class ModelConfig:
     # use_sliding_window, sliding_attention layers). Not implemented as such: within the window
     # full attention is the same computation, so the context is capped to it (context_limit).
     sliding_window: int | None = None
+    # Gemma 3's options (model/llama.py says where each applies).
+    norm_plus_one: bool = False  # every RMSNorm scales by (1 + w): folded into w at load
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the model dtype
+    activation: str = "silu"  # of the gated MLP: "silu" or "gelu_pytorch_tanh"
+    sandwich_norms: bool = False  # RMSNorm of the attention's and the MLP's outputs too
+    attn_scale: float | None = None  # of q.k; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Sliding-window attention computed as such, a window per layer (0: the layer attends to
+    # every position); empty where no layer is windowed this way. Each windowed layer rotates by
+    # local_rope, the others by rope.
+    layer_windows: tuple[int, ...] = ()
+    local_rope: RopeConfig | None = None
 
     @property
     def context_limit(self) -> int:
         """The longest context computed exactly as the checkpoint's model computes it."""
+        if self.layer_windows:  # windows computed as such: no cap
+            return self.max_position_embeddings
         window = self.sliding_window or self.max_position_embeddings
         return min(self.max_position_embeddings, window)
 
@@ -94,6 +111,8 @@ class ModelConfig:
         that asks for what nanoserve does not implement."""
         family = _family(d)
         _check_refused(d, family)
+        if family == "gemma3_text":
+            return _gemma3(cls, d)
         hidden, num_heads = _positive_int(d, "hidden_size"), _positive_int(d, "num_attention_heads")
         num_kv_heads = _positive_int(d, "num_key_value_heads", num_heads)
         attention_bias = family != "qwen2" and _bool(d, "attention_bias", False)
@@ -185,15 +204,97 @@ def _check_refused(d: dict[str, Any], family: str) -> None:
             f"quantization_config ({method}) is not supported: nanoserve loads float32, "
             "bfloat16 and float16 checkpoints (and GGUF files)"
         )
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not implemented (nanoserve runs silu)")
     layer_types = d.get("layer_types") or []
     if not isinstance(layer_types, list):
         raise ValueError(f"layer_types must be a list, got {layer_types!r}")
     other = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
     if other:
         raise ValueError(f"layer_types {other[0]!r} is not implemented")
+    if family == "gemma3_text":
+        _check_gemma3_refused(d)
+        return
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not implemented (nanoserve runs silu)")
+
+
+def _check_gemma3_refused(d: dict[str, Any]) -> None:
+    """Gemma 3's keys that would change the computation beyond what nanoserve implements."""
+    act = d.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not implemented (gelu_pytorch_tanh)")
+    if d.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not implemented (only null, as in Gemma 3)")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not implemented (causal only)")
+    layer_types = d.get("layer_types")
+    if layer_types is not None and len(layer_types) != d.get("num_hidden_layers"):
+        raise ValueError(f"layer_types has {len(layer_types)} entries, not num_hidden_layers")
+
+
+def _gemma3(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
+    """Gemma3TextConfig's fields, with its defaults (for a config.json that leaves any out):
+    layer i is sliding unless (i + 1) is a multiple of sliding_window_pattern (6) where
+    layer_types is absent; the global layers' RoPE from rope_theta (1e6) and rope_scaling, the
+    sliding ones' from rope_local_base_freq (1e4), or both from rope_parameters' sections."""
+    hidden, heads = _positive_int(d, "hidden_size"), _positive_int(d, "num_attention_heads")
+    kv_heads = _positive_int(d, "num_key_value_heads", heads)
+    layers = _positive_int(d, "num_hidden_layers")
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    pattern = _positive_int(d, "sliding_window_pattern", 6)
+    types = d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    window = _positive_int(d, "sliding_window", 4096)
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full = {"rope_theta": 1e6, "rope_parameters": params.get("full_attention") or {}}
+        local = {"rope_theta": 1e4, "rope_parameters": params.get("sliding_attention") or {}}
+    else:
+        full = {"rope_theta": d.get("rope_theta") or 1e6, "rope_parameters": params,
+                "rope_scaling": d.get("rope_scaling")}  # fmt: skip
+        local = {"rope_theta": d.get("rope_local_base_freq") or 1e4}
+    try:
+        rope = _rope_config({**full, "max_position_embeddings": d.get("max_position_embeddings")})
+    except ValueError as e:
+        raise ValueError(f"full_attention layers: {e}") from None
+    try:
+        local_rope = _rope_config(local)
+    except ValueError as e:
+        raise ValueError(f"sliding_attention layers: {e}") from None
+    attention_bias = _bool(d, "attention_bias", False)
+    cap = d.get("final_logit_softcapping")
+    cap = None if cap is None else _positive_number(d, "final_logit_softcapping")
+    return cls(
+        vocab_size=_positive_int(d, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_positive_int(d, "intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_positive_int(d, "head_dim", 256),
+        rms_norm_eps=_positive_number(d, "rms_norm_eps", 1e-6),
+        max_position_embeddings=_positive_int(d, "max_position_embeddings", 131072),
+        rope=rope,
+        tie_word_embeddings=_bool(d, "tie_word_embeddings", True),
+        eos_token_ids=tuple(_as_ids(d.get("eos_token_id"))),
+        family="gemma3_text",
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        qk_norm=True,
+        norm_plus_one=True,
+        embed_scale=True,
+        activation="gelu_pytorch_tanh",
+        sandwich_norms=True,
+        attn_scale=_positive_number(d, "query_pre_attn_scalar", 256) ** -0.5,
+        final_logit_softcapping=cap,
+        layer_windows=windows if any(windows) else (),
+        local_rope=local_rope,
+    )
 
 
 def _sliding_window(d: dict[str, Any], family: str) -> int | None:

@@ -6,7 +6,9 @@ milliseconds of weight reading, their overhead is a sizeable share of it. The C 
 (kernels/csrc/decode_step.c) runs the same kernels (RMSNorm, GEMV, RoPE, KV store, paged
 attention) back to back, so a decode step returns to Python once. Prefill chunks, larger batches,
 other devices and dtypes take the layer-by-layer path. A family's options (biases, Qwen3's q/k
-norms) are fields of the C step too, a null pointer where the model has none.
+norms, Gemma 3's output norms) are fields of the C step too, a null pointer where the model has
+none; Gemma 3's windows (one per layer, with the local RoPE tables) and GELU-tanh are arguments.
+A Gemma model in bfloat16 decodes layer by layer (its norm weights are float32; the log says so).
 """
 
 from __future__ import annotations
@@ -28,19 +30,26 @@ class CpuDecodeStep:
         """Reads the weights' addresses once: replacing a layer's tensors afterwards would leave
         this step reading the old ones (nothing in nanoserve does)."""
         self.config = config
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
         # Per layer, each weight by its name (a field of the C step's struct layer_weights).
         self.weights = [{name: _stored(getattr(x, name)) for name, _ in LAYER} for x in layers]
         # The quantized matmul takes any number of rows; the float GEMV up to 4.
         blocks = all(isinstance(m.weight, QuantizedWeight) for x in layers for m in matrices(x))
         self.max_rows = c_backend.STEP_ROWS if blocks else SMALL_LINEAR_MAX_ROWS
+        self.windows = (
+            torch.tensor(config.layer_windows, dtype=torch.int64) if config.layer_windows else None
+        )
         self._caches: list[torch.Tensor] = []  # the cache tensors behind self._table
         self._table: object = None
 
     @staticmethod
-    def supported(layers: list[LayerWeights]) -> bool:
+    def supported(layers: list[LayerWeights], config: ModelConfig) -> bool:
         """Every matrix takes the C GEMV (CPU, float32 or bfloat16, C kernels on) or is kept in
-        GGUF blocks (then with float32 activations)."""
+        GGUF blocks (then with float32 activations), and every norm weight is of the activations'
+        dtype (Gemma's are float32 in any model: in bfloat16 such a model decodes layer by
+        layer)."""
+        if not_in_c(layers):
+            return False
         ms = [m for layer in layers for m in matrices(layer)]
         blocks = any(isinstance(m.weight, QuantizedWeight) for m in ms)
         floats_ok = all(m.gemv or isinstance(m.weight, QuantizedWeight) for m in ms)
@@ -73,6 +82,7 @@ class CpuDecodeStep:
         meta: AttentionMetadata,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Runs every layer on h ([num_tokens, hidden], updated in place)."""
         c, k_cache = self.config, kv_caches[0][0]
@@ -92,6 +102,9 @@ class CpuDecodeStep:
             intermediate=c.intermediate_size,
             eps=c.rms_norm_eps,
             scale=self.scale,
+            windows=self.windows,
+            local=local,
+            gelu=c.activation == "gelu_pytorch_tanh",
         )
 
     def layer_table(self, kv_caches: KVCaches, dtype: torch.dtype) -> object:
@@ -129,3 +142,16 @@ def _stored(w: torch.Tensor | Matrix | None) -> tuple[int, int]:
     if isinstance(t, QuantizedWeight):
         return t.data.data_ptr(), c_backend.QTYPE_CODES[t.qtype]
     return t.data_ptr(), 0
+
+
+def not_in_c(layers: list[LayerWeights]) -> str | None:
+    """Why the C step cannot take these layers where it is their norms' dtype; None: it can."""
+    if not layers:
+        return None
+    dtype = layers[0].input_norm.dtype  # GGUF blocks' activations: float32, as their norms
+    if isinstance(layers[0].qkv.weight, torch.Tensor):
+        dtype = layers[0].qkv.weight.dtype
+    norms = [getattr(x, name) for x in layers for name, t in LAYER if t.kind == "norm"]
+    if any(n is not None and n.dtype != dtype for n in norms):
+        return f"float32 norm weights in a {str(dtype).removeprefix('torch.')} model"
+    return None

@@ -3,7 +3,10 @@ SwiGLU) over packed tokens of many sequences and the paged KV cache, as straight
 in four pieces that the runner composes: `embed`, the decoder `layers`, the final `norm` and the
 `logits` (the CPU's one-call decode step can stand in for the layers). The other families are its
 options, present where their weights are (model/weights.py): biases of q/k/v, o and the MLP
-(Qwen2; Llama's attention_bias, mlp_bias) and an RMSNorm of each q and k head (Qwen3). Weights
+(Qwen2; Llama's attention_bias, mlp_bias), an RMSNorm of each q and k head (Qwen3), and Gemma 3's:
+(1 + w) norms (folded at load, kept in float32), the embedding scaled by sqrt(hidden), GELU-tanh,
+norms of the attention's and the MLP's outputs, its attention scale, softcapped logits, and
+sliding-window layers with their own RoPE tables (the window passed to attention). Weights
 come fused and packed from the loader; RMSNorm and RoPE are nanoserve.kernels calls (one C call
 each on the CPU). Under tensor parallelism each rank runs its own heads and vocabulary slice,
 with the collectives of model/parallel.py.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from nanoserve.kernels import rms_norm, rope_, silu_mul
 from nanoserve.model.attention import AttentionMetadata, attention
@@ -39,17 +43,28 @@ class Llama:
         self.parallel = parallel
         self.num_heads = config.num_heads // parallel.size  # this rank's
         self.num_kv_heads = config.num_kv_heads // parallel.size
-        device, dtype = weights.norm.device, weights.norm.dtype
+        device, dtype = weights.norm.device, _activation_dtype(weights)
         cos, sin = rope_cos_sin(config.rope, config.head_dim, max_positions)
         self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        # Each layer's (window, cos, sin): a windowed layer's tables from the local RoPE.
+        self.local = (self.cos, self.sin)
+        if config.layer_windows and config.local_rope is not None:
+            cos, sin = rope_cos_sin(config.local_rope, config.head_dim, max_positions)
+            self.local = (cos.to(device, dtype), sin.to(device, dtype))
+        windows = config.layer_windows or (0,) * config.num_layers
+        self.per_layer = [(w, *(self.local if w else (self.cos, self.sin))) for w in windows]
+        self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [len(ids), hidden]: a fresh tensor the layers may update."""
         table = self.weights.embed
         if isinstance(table, QuantizedWeight):  # one process (blocks are not sharded)
-            return embed_rows(table, ids)
-        return self.parallel.embed(table, ids)
+            h = embed_rows(table, ids)
+        else:
+            h = self.parallel.embed(table, ids)
+        if self.config.embed_scale:  # Gemma: the scale rounded to the model dtype first
+            h.mul_(torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype))
+        return h
 
     def layers(
         self, h: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata
@@ -59,34 +74,66 @@ class Llama:
         c, heads, kv_heads, reduce = self.config, self.num_heads, self.num_kv_heads, self.parallel
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         eps = c.rms_norm_eps
-        for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
-            qkv = _biased(layer.qkv(rms_norm(h, layer.input_norm, eps)), layer.qkv_bias)
+        act = F.gelu if c.activation == "gelu_pytorch_tanh" else None
+        layers = zip(self.weights.layers, kv_caches, self.per_layer, strict=True)
+        for layer, (k_cache, v_cache), (window, cos, sin) in layers:
+            qkv = _biased(layer.qkv(_rms(h, layer.input_norm, eps)), layer.qkv_bias)
             if layer.q_norm is not None:
                 _norm_heads(qkv, q_size, layer.q_norm, 0, eps)
                 _norm_heads(qkv, kv_size, layer.k_norm, q_size, eps)
-            rope_(qkv, heads + kv_heads, positions, self.cos, self.sin)
+            rope_(qkv, heads + kv_heads, positions, cos, sin)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.reshape(-1, heads, c.head_dim).contiguous()
             k = k.reshape(-1, kv_heads, c.head_dim).contiguous()
             v = v.reshape(-1, kv_heads, c.head_dim).contiguous()
-            a = attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            a = attention(q, k, v, k_cache, v_cache, meta, self.scale, window)
             # o and down are row-parallel: each rank's product is a partial sum of the whole.
             # A row-parallel bias is added once, to the sum.
-            h = h + _biased(reduce.all_reduce(layer.o(a.view(-1, q_size))), layer.o_bias)
-            gate_up = _biased(layer.gate_up(rms_norm(h, layer.post_norm, eps)), layer.gate_up_bias)
-            act = silu_mul(gate_up)  # the one-call C step's bits on a CPU
-            h = h + _biased(reduce.all_reduce(layer.down(act)), layer.down_bias)
+            o = _biased(reduce.all_reduce(layer.o(a.view(-1, q_size))), layer.o_bias)
+            h = h + _normed(o, layer.attn_out_norm, eps)
+            gate_up = _biased(layer.gate_up(_rms(h, layer.post_norm, eps)), layer.gate_up_bias)
+            if act is None:
+                gated = silu_mul(gate_up)  # the one-call C step's bits on a CPU
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                gated = act(gate, approximate="tanh") * up
+            down = _biased(reduce.all_reduce(layer.down(gated)), layer.down_bias)
+            h = h + _normed(down, layer.mlp_out_norm, eps)
         return h
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of hidden states (the rows whose logits are wanted)."""
-        return rms_norm(h, self.weights.norm, self.config.rms_norm_eps)
+        return _rms(h, self.weights.norm, self.config.rms_norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32. Under tensor parallelism a collective: every rank must call it
         with the same number of rows, and only rank 0 gets the whole vocabulary."""
         local = self.weights.lm_head(h)
-        return self.parallel.gather_logits(local, self.config.vocab_size).float()
+        logits = self.parallel.gather_logits(local, self.config.vocab_size).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in float32 (transformers caps in the model dtype)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _activation_dtype(weights: LlamaWeights) -> torch.dtype:
+    """The hidden states' dtype: the norms' (Gemma's norms are float32 in any model dtype, so
+    then the first layer's q/k/v matrix's; float32 for one in GGUF blocks)."""
+    w = weights.layers[0].qkv.weight if weights.layers else weights.norm
+    return w.dtype if isinstance(w, torch.Tensor) else torch.float32
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm; a float32 weight of a lower-precision x (Gemma's 1 + w) as transformers' Gemma
+    computes it: all in float32, rounded once at the end."""
+    if weight.dtype == x.dtype:
+        return rms_norm(x, weight, eps)
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def _normed(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return x if weight is None else _rms(x, weight, eps)
 
 
 def _biased(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -100,7 +147,7 @@ def _norm_heads(
     k_norm: one weight [head_dim] for every head)."""
     assert weight is not None, "q_norm and k_norm come together"
     part = qkv[:, start : start + width]
-    normed = rms_norm(part.reshape(-1, weight.shape[0]).contiguous(), weight, eps)
+    normed = _rms(part.reshape(-1, weight.shape[0]).contiguous(), weight, eps)
     part.copy_(normed.view(part.shape))
 
 

@@ -96,7 +96,7 @@ def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
     taken: dict[str, Weight] = {}
     out: list[Weight] = []
     for prefix, name, t in listed(config):
-        keys = names(prefix, t)
+        keys = names(prefix, t, config)
         if t.tied_to is not None and keys[0] not in weights:
             if not config.tie_word_embeddings:
                 raise ValueError(f"checkpoint has no {keys[0]} and tie_word_embeddings is false")
@@ -105,6 +105,10 @@ def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
         parts = [weights.pop(key) for key in keys]
         if t.parts is not None:
             _check_shapes(keys, parts, t.parts(config))
+        if t.kind == "norm" and config.norm_plus_one:
+            # Gemma's RMSNorm scales by 1 + w in float32 (also in a bfloat16 model): kept in
+            # float32, the same numbers (model/llama.py's norms take a float32 weight).
+            parts = [p.float() + 1.0 for p in parts]
         taken[name] = parts[0] if len(parts) == 1 else cat_rows(parts)
         out.append(taken[name])
     unused = [key for key in weights if not key.endswith(IGNORED)]
@@ -125,7 +129,7 @@ def check_tensors(path: str | Path, config: ModelConfig) -> None:
     expected: dict[str, tuple[int, ...] | None] = {}
     for prefix, _, t in listed(config):
         shapes = list(t.parts(config)) if t.parts else [None] * len(t.hf)
-        expected.update(zip(names(prefix, t), shapes, strict=True))
+        expected.update(zip(names(prefix, t, config), shapes, strict=True))
     tied = "lm_head.weight"
     for file in checkpoint_files(path):
         with _opened(file) as f:

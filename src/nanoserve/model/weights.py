@@ -2,7 +2,8 @@
 tensor as a field whose `Tensor` says where a checkpoint keeps it (Hugging Face and GGUF names; a
 fused matrix lists its parts, stacked by rows), its shape in terms of the config, how tensor
 parallelism cuts it and what it is (a matrix or an embedding, in floats or GGUF blocks; a norm; a
-bias), and for a family's option (a bias, Qwen3's q/k norms) which config flag makes it present.
+bias), and for a family's option (a bias, Qwen3's q/k norms, Gemma 3's extra norms) which
+config flag makes it present (and which flag renames it, where a family names it otherwise).
 The loader, the sharder, the GGUF reader and the one-call C step (whose struct layer_weights has
 the same fields, an absent option a null pointer) iterate `LAYER` and `MODEL` rather than
 spelling the order.
@@ -44,9 +45,16 @@ class Tensor:
     tied_to: str | None = None  # the field it is when the checkpoint has none and ties them
     suffix: str = "weight"  # of its names in both formats: "weight" or "bias"
     when: str | None = None  # the ModelConfig flag that makes it present; None: always present
+    # (ModelConfig flag, Hugging Face names where it is set): a family that calls it otherwise.
+    renamed: tuple[str, tuple[str, ...]] | None = None
 
     def present(self, config: ModelConfig) -> bool:
         return self.when is None or bool(getattr(config, self.when))
+
+    def hf_names(self, config: ModelConfig) -> tuple[str, ...]:
+        if self.renamed is not None and getattr(config, self.renamed[0]):
+            return self.renamed[1]
+        return self.hf
 
     def rows(self, config: ModelConfig) -> list[int]:
         """Each part's rows: where a column-parallel cut takes its slice of every part."""
@@ -89,9 +97,10 @@ class LayerWeights:
         hf=("self_attn.o_proj",), gguf=("attn_output",), shard="row", kind="matrix",
         parts=lambda c: [(c.hidden_size, _q(c))],
     )  # fmt: skip
-    post_norm: torch.Tensor = _tensor(
+    post_norm: torch.Tensor = _tensor(  # before the MLP (Gemma 3 names it so)
         hf=("post_attention_layernorm",), gguf=("ffn_norm",), shard="replicated", kind="norm",
         parts=lambda c: [(c.hidden_size,)],
+        renamed=("sandwich_norms", ("pre_feedforward_layernorm",)),
     )  # fmt: skip
     gate_up: Matrix = _tensor(
         hf=("mlp.gate_proj", "mlp.up_proj"), gguf=("ffn_gate", "ffn_up"), shard="column",
@@ -127,6 +136,14 @@ class LayerWeights:
     k_norm: torch.Tensor | None = _optional(
         hf=("self_attn.k_norm",), gguf=("attn_k_norm",), shard="replicated", kind="norm",
         when="qk_norm", parts=lambda c: [(c.head_dim,)],
+    )  # fmt: skip
+    attn_out_norm: torch.Tensor | None = _optional(  # of the attention's output (Gemma 3)
+        hf=("post_attention_layernorm",), gguf=("post_attention_norm",), shard="replicated",
+        kind="norm", when="sandwich_norms", parts=lambda c: [(c.hidden_size,)],
+    )  # fmt: skip
+    mlp_out_norm: torch.Tensor | None = _optional(  # of the MLP's output (Gemma 3)
+        hf=("post_feedforward_layernorm",), gguf=("post_ffw_norm",), shard="replicated",
+        kind="norm", when="sandwich_norms", parts=lambda c: [(c.hidden_size,)],
     )  # fmt: skip
 
 
@@ -165,9 +182,9 @@ def listed(config: ModelConfig) -> list[tuple[str, str, Tensor]]:
     return out
 
 
-def names(prefix: str, t: Tensor) -> list[str]:
+def names(prefix: str, t: Tensor, config: ModelConfig) -> list[str]:
     """The Hugging Face names of a tensor's parts, e.g. model.layers.0.self_attn.q_proj.bias."""
-    return [f"{prefix}{part}.{t.suffix}" for part in t.hf]
+    return [f"{prefix}{part}.{t.suffix}" for part in t.hf_names(config)]
 
 
 def matrices(layer: LayerWeights) -> list[Matrix]:

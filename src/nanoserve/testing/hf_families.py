@@ -22,6 +22,7 @@ CONFIGS = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "gemma3_text": transformers.Gemma3TextConfig,
 }
 SMALL = dict(
     vocab_size=1024,
@@ -46,19 +47,23 @@ def write_family_checkpoint(path: Path, family: str, seed: int = 0, **config: An
     cfg = CONFIGS[family](**{**SMALL, **config})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _redraw(model, seed)
+    _redraw(model, seed, gemma=family == "gemma3_text")
     model.save_pretrained(path)
     _copy_tokenizer(path)
     return path
 
 
 @torch.no_grad()
-def _redraw(model: torch.nn.Module, seed: int) -> None:
+def _redraw(model: torch.nn.Module, seed: int, gemma: bool = False) -> None:
+    """gemma: norms scale by 1 + w (w drawn around 0), and embeddings by sqrt(hidden) (drawn
+    that much smaller, so that the attention's output is not drowned in them)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
         if "norm" in name:
-            p.copy_(1.0 + 0.1 * noise)
+            p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
+        elif gemma and "embed_tokens" in name:
+            p.copy_(noise / math.sqrt(p.shape[1]))
         elif name.endswith(".bias"):
             p.copy_(0.1 * noise)
         elif "embed_tokens" in name or "lm_head" in name:
