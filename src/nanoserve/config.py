@@ -127,9 +127,10 @@ class EngineConfig:
         "here", choices=(*DTYPES, "auto"),
     )  # fmt: skip
     quantization: str = setting(
-        "auto", "auto: a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks where they can (CPU, "
-        "float32, one process); none: de-quantize them; q8_0/q4_0/q4_1: quantize a float "
-        "checkpoint's matrices at load (CPU, float32)", choices=QUANTIZATIONS,
+        "auto", "auto: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices stay in their blocks where "
+        "they can (CPU, float32, one process); none: de-quantize them; q8_0/q4_0/q4_1: quantize a "
+        "float checkpoint's matrices at load (CPU, float32; q4_k/q5_k/q6_k are refused: "
+        "llama.cpp's quantizer makes those)", choices=QUANTIZATIONS,
     )  # fmt: skip
     device: str = setting("cpu", "cpu, or cuda[:N]", limit=DEVICE)
     block_size: int = setting(16, "tokens per KV block (a power of 2)", limit=POWER_OF_2)
