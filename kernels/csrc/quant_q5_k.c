@@ -81,8 +81,10 @@ AVX2_INLINE void q5_k_unpack_avx2(strip8 *s, const char *w, size_t stride) {
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 /* bit j of each byte of qh to bit 4, the nibble below it */
-                const __m256i hi = _mm256_slli_epi32(_mm256_srli_epi32(h[i], j), 4);
-                const __m256i hi1 = _mm256_slli_epi32(_mm256_srli_epi32(h1[i], j), 4);
+                const __m256i hi =
+                    j < 4 ? _mm256_slli_epi32(h[i], 4 - j) : _mm256_srli_epi32(h[i], j - 4);
+                const __m256i hi1 =
+                    j < 4 ? _mm256_slli_epi32(h1[i], 4 - j) : _mm256_srli_epi32(h1[i], j - 4);
                 const __m256i lo = _mm256_srli_epi32(g[i], shift);
                 const __m256i lo1 = _mm256_srli_epi32(g1[i], shift);
                 v[i] = _mm256_or_si256(_mm256_and_si256(lo, nibbles), _mm256_and_si256(hi, bit));
@@ -124,8 +126,10 @@ AVX512_INLINE void q5_k_unpack_avx512(strip16 *s, const char *w, size_t stride) 
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 /* bit j of each byte of qh to bit 4, the nibble below it */
-                const __m512i hi = _mm512_slli_epi32(_mm512_srli_epi32(h[i], j), 4);
-                const __m512i hi1 = _mm512_slli_epi32(_mm512_srli_epi32(h1[i], j), 4);
+                const __m512i hi =
+                    j < 4 ? _mm512_slli_epi32(h[i], 4 - j) : _mm512_srli_epi32(h[i], j - 4);
+                const __m512i hi1 =
+                    j < 4 ? _mm512_slli_epi32(h1[i], 4 - j) : _mm512_srli_epi32(h1[i], j - 4);
                 const __m512i lo = _mm512_srli_epi32(g[i], shift);
                 const __m512i lo1 = _mm512_srli_epi32(g1[i], shift);
                 v[i] = _mm512_or_si512(_mm512_and_si512(lo, nibbles), _mm512_and_si512(hi, bit));

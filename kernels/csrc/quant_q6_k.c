@@ -102,31 +102,34 @@ AVX2_INLINE void q6_k_unpack_avx2(strip8 *s, const char *w, size_t stride) {
     const __m256i nibbles = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3 << 4);
 #pragma GCC unroll 2
     for (int half = 0; half < 2; half++) {
-        __m256i h[4], h1[4], g[2][4], g1[2][4];
+        __m256i h[4], h1[4];
         transpose_rows_avx2(h, (const char *)b->qh + 32 * half, stride);
         transpose_rows_avx2(h1, (const char *)b->qh + 32 * half + 16, stride);
 #pragma GCC unroll 2
-        for (int k = 0; k < 2; k++) { /* ql bytes 32k .. 32k + 31 of the half */
-            transpose_rows_avx2(g[k], (const char *)b->ql + 64 * half + 32 * k, stride);
-            transpose_rows_avx2(g1[k], (const char *)b->ql + 64 * half + 32 * k + 16, stride);
-        }
+        for (int k = 0; k < 2; k++) { /* ql bytes 32k .. 32k + 31: sub-blocks k, k + 2 */
+            __m256i g[4], g1[4];
+            transpose_rows_avx2(g, (const char *)b->ql + 64 * half + 32 * k, stride);
+            transpose_rows_avx2(g1, (const char *)b->ql + 64 * half + 32 * k + 16, stride);
+#pragma GCC unroll 2
+            for (int u = k; u < 4; u += 2) {
+                const int shift = 4 * (u >> 1);
+                __m256i v[4], v1[4];
 #pragma GCC unroll 4
-        for (int u = 0; u < 4; u++) {
-            const int shift = 4 * (u >> 1), hshift = 2 * u;
-            __m256i v[4], v1[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                /* the 2 bits at hshift to bits 4, 5 of each byte */
-                const __m256i hi =
-                    _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(h[i], hshift), 4), two);
-                const __m256i hi1 =
-                    _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(h1[i], hshift), 4), two);
-                v[i] = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi32(g[u & 1][i], shift), nibbles), hi);
-                v1[i] = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi32(g1[u & 1][i], shift), nibbles), hi1);
+                for (int i = 0; i < 4; i++) {
+                    /* qh's 2 bits at 2u to bits 4, 5 of each byte */
+                    const __m256i hi = u < 2 ? _mm256_slli_epi32(h[i], 4 - 2 * u)
+                                            : _mm256_srli_epi32(h[i], 2 * u - 4);
+                    const __m256i hi1 = u < 2 ? _mm256_slli_epi32(h1[i], 4 - 2 * u)
+                                             : _mm256_srli_epi32(h1[i], 2 * u - 4);
+                    const __m256i lo = _mm256_srli_epi32(g[i], shift);
+                    const __m256i lo1 = _mm256_srli_epi32(g1[i], shift);
+                    v[i] = _mm256_or_si256(_mm256_and_si256(lo, nibbles),
+                                           _mm256_and_si256(hi, two));
+                    v1[i] = _mm256_or_si256(_mm256_and_si256(lo1, nibbles),
+                                            _mm256_and_si256(hi1, two));
+                }
+                kquant_byte_pairs_avx2(s[4 * half + u].p, v, v1, 32);
             }
-            kquant_byte_pairs_avx2(s[4 * half + u].p, v, v1, 32);
         }
     }
 }
@@ -158,31 +161,34 @@ AVX512_INLINE void q6_k_unpack_avx512(strip16 *s, const char *w, size_t stride) 
     const __m512i nibbles = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3 << 4);
 #pragma GCC unroll 2
     for (int half = 0; half < 2; half++) {
-        __m512i h[4], h1[4], g[2][4], g1[2][4];
+        __m512i h[4], h1[4];
         transpose_rows_avx512(h, (const char *)b->qh + 32 * half, stride);
         transpose_rows_avx512(h1, (const char *)b->qh + 32 * half + 16, stride);
 #pragma GCC unroll 2
-        for (int k = 0; k < 2; k++) { /* ql bytes 32k .. 32k + 31 of the half */
-            transpose_rows_avx512(g[k], (const char *)b->ql + 64 * half + 32 * k, stride);
-            transpose_rows_avx512(g1[k], (const char *)b->ql + 64 * half + 32 * k + 16, stride);
-        }
+        for (int k = 0; k < 2; k++) { /* ql bytes 32k .. 32k + 31: sub-blocks k, k + 2 */
+            __m512i g[4], g1[4];
+            transpose_rows_avx512(g, (const char *)b->ql + 64 * half + 32 * k, stride);
+            transpose_rows_avx512(g1, (const char *)b->ql + 64 * half + 32 * k + 16, stride);
+#pragma GCC unroll 2
+            for (int u = k; u < 4; u += 2) {
+                const int shift = 4 * (u >> 1);
+                __m512i v[4], v1[4];
 #pragma GCC unroll 4
-        for (int u = 0; u < 4; u++) {
-            const int shift = 4 * (u >> 1), hshift = 2 * u;
-            __m512i v[4], v1[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                /* the 2 bits at hshift to bits 4, 5 of each byte */
-                const __m512i hi =
-                    _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(h[i], hshift), 4), two);
-                const __m512i hi1 =
-                    _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(h1[i], hshift), 4), two);
-                v[i] = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi32(g[u & 1][i], shift), nibbles), hi);
-                v1[i] = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi32(g1[u & 1][i], shift), nibbles), hi1);
+                for (int i = 0; i < 4; i++) {
+                    /* qh's 2 bits at 2u to bits 4, 5 of each byte */
+                    const __m512i hi = u < 2 ? _mm512_slli_epi32(h[i], 4 - 2 * u)
+                                            : _mm512_srli_epi32(h[i], 2 * u - 4);
+                    const __m512i hi1 = u < 2 ? _mm512_slli_epi32(h1[i], 4 - 2 * u)
+                                             : _mm512_srli_epi32(h1[i], 2 * u - 4);
+                    const __m512i lo = _mm512_srli_epi32(g[i], shift);
+                    const __m512i lo1 = _mm512_srli_epi32(g1[i], shift);
+                    v[i] = _mm512_or_si512(_mm512_and_si512(lo, nibbles),
+                                           _mm512_and_si512(hi, two));
+                    v1[i] = _mm512_or_si512(_mm512_and_si512(lo1, nibbles),
+                                            _mm512_and_si512(hi1, two));
+                }
+                kquant_byte_pairs_avx512(s[4 * half + u].p, v, v1, 32);
             }
-            kquant_byte_pairs_avx512(s[4 * half + u].p, v, v1, 32);
         }
     }
 }
