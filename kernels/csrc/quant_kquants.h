@@ -56,29 +56,34 @@ AVX2_INLINE __m256 half_lanes_avx2(__m256i v, const int hi) {
     return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
 }
 
-/* Sub-block j's d sc and -(dmin m) for 8 rows of Q4_K / Q5_K blocks at w (kquant_sub_scales). */
-AVX2_INLINE void kquant_head_avx2(strip8 *s, const char *w, size_t stride, int j) {
+/* Each sub-block j's d sc and -(dmin m) (kquant_sub_scales) into s[j], for 8 rows of Q4_K /
+ * Q5_K blocks at w. */
+AVX2_INLINE void kquant_heads_avx2(strip8 s[KQ_SUBS], const char *w, size_t stride) {
     __m256i g[4]; /* lane r: row r's d and dmin, scales 0..3, 4..7, 8..11 */
     transpose_rows_avx2(g, w, stride);
-    const int sh = 8 * (j & 3);
+    const __m256 d = half_lanes_avx2(g[0], 0);
+    const __m256 dmin = half_lanes_avx2(g[0], 1);
     const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
     const __m256i top = _mm256_set1_epi32(3);
-    __m256i sc, m;
-    if (j < 4) {
-        sc = _mm256_and_si256(_mm256_srli_epi32(g[1], sh), six);
-        m = _mm256_and_si256(_mm256_srli_epi32(g[2], sh), six);
-    } else {
-        sc = _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi32(g[3], sh), four),
-            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(g[1], sh + 6), top), 4));
-        m = _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi32(g[3], sh + 4), four),
-            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(g[2], sh + 6), top), 4));
+#pragma GCC unroll 8
+    for (int j = 0; j < KQ_SUBS; j++) {
+        const int sh = 8 * (j & 3);
+        __m256i sc, m;
+        if (j < 4) {
+            sc = _mm256_and_si256(_mm256_srli_epi32(g[1], sh), six);
+            m = _mm256_and_si256(_mm256_srli_epi32(g[2], sh), six);
+        } else {
+            sc = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32(g[3], sh), four),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(g[1], sh + 6), top), 4));
+            m = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32(g[3], sh + 4), four),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(g[2], sh + 6), top), 4));
+        }
+        s[j].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        s[j].m = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
+        s[j].d2 = _mm256_setzero_ps();
     }
-    s->d = _mm256_mul_ps(half_lanes_avx2(g[0], 0), _mm256_cvtepi32_ps(sc));
-    s->m = _mm256_sub_ps(_mm256_setzero_ps(),
-                         _mm256_mul_ps(half_lanes_avx2(g[0], 1), _mm256_cvtepi32_ps(m)));
-    s->d2 = _mm256_setzero_ps();
 }
 
 /* The pairs of a sub-block whose 32 values are bytes (v[q] lane bytes: values 4q..4q+3, v1's
@@ -97,30 +102,34 @@ AVX2_INLINE void kquant_byte_pairs_avx2(__m256i p[16], const __m256i v[4], const
 
 /* ---------------------------------------------------------------- AVX-512 */
 
-/* Sub-block j's d sc and -(dmin m) for 16 rows (as kquant_head_avx2). */
-AVX512_INLINE void kquant_head_avx512(strip16 *s, const char *w, size_t stride, int j) {
-    __m512i g[4];
+/* Each sub-block j's d sc and -(dmin m) (kquant_sub_scales) into s[j], for 16 rows of Q4_K /
+ * Q5_K blocks at w. */
+AVX512_INLINE void kquant_heads_avx512(strip16 s[KQ_SUBS], const char *w, size_t stride) {
+    __m512i g[4]; /* lane r: row r's d and dmin, scales 0..3, 4..7, 8..11 */
     transpose_rows_avx512(g, w, stride);
-    const int sh = 8 * (j & 3);
-    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
-    const __m512i top = _mm512_set1_epi32(3);
-    __m512i sc, m;
-    if (j < 4) {
-        sc = _mm512_and_si512(_mm512_srli_epi32(g[1], sh), six);
-        m = _mm512_and_si512(_mm512_srli_epi32(g[2], sh), six);
-    } else {
-        sc = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi32(g[3], sh), four),
-            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g[1], sh + 6), top), 4));
-        m = _mm512_or_si512(
-            _mm512_and_si512(_mm512_srli_epi32(g[3], sh + 4), four),
-            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g[2], sh + 6), top), 4));
-    }
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g[0]));
     const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g[0], 16)));
-    s->d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-    s->m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)));
-    s->d2 = _mm512_setzero_ps();
+    const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
+    const __m512i top = _mm512_set1_epi32(3);
+#pragma GCC unroll 8
+    for (int j = 0; j < KQ_SUBS; j++) {
+        const int sh = 8 * (j & 3);
+        __m512i sc, m;
+        if (j < 4) {
+            sc = _mm512_and_si512(_mm512_srli_epi32(g[1], sh), six);
+            m = _mm512_and_si512(_mm512_srli_epi32(g[2], sh), six);
+        } else {
+            sc = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32(g[3], sh), four),
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g[1], sh + 6), top), 4));
+            m = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32(g[3], sh + 4), four),
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g[2], sh + 6), top), 4));
+        }
+        s[j].d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        s[j].m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)));
+        s[j].d2 = _mm512_setzero_ps();
+    }
 }
 
 /* As kquant_byte_pairs_avx2, 16 rows. */

@@ -85,41 +85,58 @@ static void q6_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
 #define Q6_K_SCALE(bits, g, t, which)                                                             \
     _mm##bits##_srai_epi32(_mm##bits##_slli_epi32((g), 24 - 8 * (2 * ((t) & 1) + (which))), 24)
 
-/* Sub-block t of the blocks at w of 8 rows: d sc of its halves and the pairs (NS_BYTE_PAIRS). */
-AVX2_INLINE void q6_k_unpack_avx2(strip8 *s, const char *w, size_t stride, int t) {
+/* The blocks at w of 8 rows, each sub-block t into s[t]: d sc of its halves and the pairs
+ * (NS_BYTE_PAIRS), from one transpose of each 16 bytes of ql, qh and the scales. */
+AVX2_INLINE void q6_k_unpack_avx2(strip8 *s, const char *w, size_t stride) {
     const block_q6_K *b = (const block_q6_K *)w;
     __m256 d, unused;
     strip_heads_avx2(&unused, &d, w + offsetof(block_q6_K, d) - 2, stride, 1);
-    __m256i g[4];
-    transpose_rows_avx2(g, (const char *)b->scales, stride);
-    s->d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(Q6_K_SCALE(256, g[t / 2], t, 0)));
-    s->d2 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(Q6_K_SCALE(256, g[t / 2], t, 1)));
-    s->m = _mm256_setzero_ps();
-    int shift, hshift;
-    const uint8_t *qh;
-    const char *ql = (const char *)q6_k_sub(b, t, &shift, &qh, &hshift);
-    __m256i v[4], v1[4], h[4], h1[4];
-    transpose_rows_avx2(v, ql, stride);
-    transpose_rows_avx2(v1, ql + 16, stride);
-    transpose_rows_avx2(h, (const char *)qh, stride);
-    transpose_rows_avx2(h1, (const char *)qh + 16, stride);
-    const __m256i nibbles = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3 << 4);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        /* the 2 bits at hshift to bits 4, 5 of each byte */
-        const __m256i hi =
-            _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(h[i], hshift), 4), two);
-        const __m256i hi1 =
-            _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(h1[i], hshift), 4), two);
-        v[i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v[i], shift), nibbles), hi);
-        v1[i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v1[i], shift), nibbles), hi1);
+    __m256i sc[4];
+    transpose_rows_avx2(sc, (const char *)b->scales, stride);
+#pragma GCC unroll 8
+    for (int t = 0; t < KQ_SUBS; t++) {
+        s[t].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(Q6_K_SCALE(256, sc[t / 2], t, 0)));
+        s[t].d2 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(Q6_K_SCALE(256, sc[t / 2], t, 1)));
+        s[t].m = _mm256_setzero_ps();
     }
-    kquant_byte_pairs_avx2(s->p, v, v1, 32);
+    const __m256i nibbles = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3 << 4);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; half++) {
+        __m256i h[4], h1[4];
+        transpose_rows_avx2(h, (const char *)b->qh + 32 * half, stride);
+        transpose_rows_avx2(h1, (const char *)b->qh + 32 * half + 16, stride);
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++) { /* ql bytes 32k .. 32k + 31: sub-blocks k, k + 2 */
+            __m256i g[4], g1[4];
+            transpose_rows_avx2(g, (const char *)b->ql + 64 * half + 32 * k, stride);
+            transpose_rows_avx2(g1, (const char *)b->ql + 64 * half + 32 * k + 16, stride);
+#pragma GCC unroll 2
+            for (int u = k; u < 4; u += 2) {
+                const int shift = 4 * (u >> 1);
+                __m256i v[4], v1[4];
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    /* qh's 2 bits at 2u to bits 4, 5 of each byte */
+                    const __m256i hi = u < 2 ? _mm256_slli_epi32(h[i], 4 - 2 * u)
+                                            : _mm256_srli_epi32(h[i], 2 * u - 4);
+                    const __m256i hi1 = u < 2 ? _mm256_slli_epi32(h1[i], 4 - 2 * u)
+                                             : _mm256_srli_epi32(h1[i], 2 * u - 4);
+                    const __m256i lo = _mm256_srli_epi32(g[i], shift);
+                    const __m256i lo1 = _mm256_srli_epi32(g1[i], shift);
+                    v[i] = _mm256_or_si256(_mm256_and_si256(lo, nibbles),
+                                           _mm256_and_si256(hi, two));
+                    v1[i] = _mm256_or_si256(_mm256_and_si256(lo1, nibbles),
+                                            _mm256_and_si256(hi1, two));
+                }
+                kquant_byte_pairs_avx2(s[4 * half + u].p, v, v1, 32);
+            }
+        }
+    }
 }
 
 static const strip8_format Q6_K_AVX2 = {.block_bytes = sizeof(block_q6_K),
                                         .subs = KQ_SUBS,
-                                        .unpack_sub = q6_k_unpack_avx2,
+                                        .unpack_super = q6_k_unpack_avx2,
                                         .halves = 1};
 
 AVX2_KERNEL void q6_k_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
@@ -129,39 +146,56 @@ AVX2_KERNEL void q6_k_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1)
 /* ---------------------------------------------------------------- AVX-512 */
 
 /* As q6_k_unpack_avx2, 16 rows. */
-AVX512_INLINE void q6_k_unpack_avx512(strip16 *s, const char *w, size_t stride, int t) {
+AVX512_INLINE void q6_k_unpack_avx512(strip16 *s, const char *w, size_t stride) {
     const block_q6_K *b = (const block_q6_K *)w;
     __m512 d, unused;
     strip_heads_avx512(&unused, &d, w + offsetof(block_q6_K, d) - 2, stride, 1);
-    __m512i g[4];
-    transpose_rows_avx512(g, (const char *)b->scales, stride);
-    s->d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(Q6_K_SCALE(512, g[t / 2], t, 0)));
-    s->d2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(Q6_K_SCALE(512, g[t / 2], t, 1)));
-    s->m = _mm512_setzero_ps();
-    int shift, hshift;
-    const uint8_t *qh;
-    const char *ql = (const char *)q6_k_sub(b, t, &shift, &qh, &hshift);
-    __m512i v[4], v1[4], h[4], h1[4];
-    transpose_rows_avx512(v, ql, stride);
-    transpose_rows_avx512(v1, ql + 16, stride);
-    transpose_rows_avx512(h, (const char *)qh, stride);
-    transpose_rows_avx512(h1, (const char *)qh + 16, stride);
-    const __m512i nibbles = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3 << 4);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        const __m512i hi =
-            _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(h[i], hshift), 4), two);
-        const __m512i hi1 =
-            _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(h1[i], hshift), 4), two);
-        v[i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v[i], shift), nibbles), hi);
-        v1[i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v1[i], shift), nibbles), hi1);
+    __m512i sc[4];
+    transpose_rows_avx512(sc, (const char *)b->scales, stride);
+#pragma GCC unroll 8
+    for (int t = 0; t < KQ_SUBS; t++) {
+        s[t].d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(Q6_K_SCALE(512, sc[t / 2], t, 0)));
+        s[t].d2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(Q6_K_SCALE(512, sc[t / 2], t, 1)));
+        s[t].m = _mm512_setzero_ps();
     }
-    kquant_byte_pairs_avx512(s->p, v, v1, 32);
+    const __m512i nibbles = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3 << 4);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; half++) {
+        __m512i h[4], h1[4];
+        transpose_rows_avx512(h, (const char *)b->qh + 32 * half, stride);
+        transpose_rows_avx512(h1, (const char *)b->qh + 32 * half + 16, stride);
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++) { /* ql bytes 32k .. 32k + 31: sub-blocks k, k + 2 */
+            __m512i g[4], g1[4];
+            transpose_rows_avx512(g, (const char *)b->ql + 64 * half + 32 * k, stride);
+            transpose_rows_avx512(g1, (const char *)b->ql + 64 * half + 32 * k + 16, stride);
+#pragma GCC unroll 2
+            for (int u = k; u < 4; u += 2) {
+                const int shift = 4 * (u >> 1);
+                __m512i v[4], v1[4];
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    /* qh's 2 bits at 2u to bits 4, 5 of each byte */
+                    const __m512i hi = u < 2 ? _mm512_slli_epi32(h[i], 4 - 2 * u)
+                                            : _mm512_srli_epi32(h[i], 2 * u - 4);
+                    const __m512i hi1 = u < 2 ? _mm512_slli_epi32(h1[i], 4 - 2 * u)
+                                             : _mm512_srli_epi32(h1[i], 2 * u - 4);
+                    const __m512i lo = _mm512_srli_epi32(g[i], shift);
+                    const __m512i lo1 = _mm512_srli_epi32(g1[i], shift);
+                    v[i] = _mm512_or_si512(_mm512_and_si512(lo, nibbles),
+                                           _mm512_and_si512(hi, two));
+                    v1[i] = _mm512_or_si512(_mm512_and_si512(lo1, nibbles),
+                                            _mm512_and_si512(hi1, two));
+                }
+                kquant_byte_pairs_avx512(s[4 * half + u].p, v, v1, 32);
+            }
+        }
+    }
 }
 
 static const strip16_format Q6_K_AVX512 = {.block_bytes = sizeof(block_q6_K),
                                            .subs = KQ_SUBS,
-                                           .unpack_sub = q6_k_unpack_avx512,
+                                           .unpack_super = q6_k_unpack_avx512,
                                            .halves = 1};
 
 AVX512_KERNEL void q6_k_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {

@@ -35,11 +35,12 @@ typedef struct {
     void (*unpack)(strip8 *s, const char *w, size_t stride);
     size_t block_bytes;
     int has_min;
-    /* K-quants: blocks of subs > 1 sub-blocks of 32 values, sub-block `sub` of the blocks at w
-     * unpacked by unpack_sub instead; halves (Q6_K): values 0..15 and 16..31 of a sub-block
-     * have their own scales, d and d2, each half's dot scaled on its own. */
+    /* K-quants: blocks of subs > 1 sub-blocks of 32 values (at most QK_K / QK), unpacked
+     * instead by unpack_super, all at once into s[0 .. subs - 1] (each byte of W transposed
+     * once); halves (Q6_K): values 0..15 and 16..31 of a sub-block have their own scales, d and
+     * d2, each half's dot scaled on its own. */
     int subs;
-    void (*unpack_sub)(strip8 *s, const char *w, size_t stride, int sub);
+    void (*unpack_super)(strip8 *s, const char *w, size_t stride);
     int halves;
 } strip8_format;
 
@@ -108,8 +109,9 @@ AVX2_INLINE void unpack_strip_edge_avx2(strip8 *s, const char *w, size_t stride,
     f.unpack(s, rows[0], sizeof rows[0]);
 }
 
-/* Block b (32 values) of the 8 rows of W from row w (the last strip's first n of them): of a
- * K-quant, sub-block b % subs of its super-block b / subs. */
+/* Block b (32 values) of the 8 rows of W from row w (the last strip's first n of them) into
+ * s; of a K-quant, where b starts a super-block, its sub-blocks into s[0 .. subs - 1] (the
+ * callers skip the others). */
 AVX2_INLINE void unpack_block_avx2(strip8 *s, const char *w, size_t stride, Py_ssize_t b,
                                    int n, const strip8_format f) {
     if (f.subs <= 1) {
@@ -121,14 +123,13 @@ AVX2_INLINE void unpack_block_avx2(strip8 *s, const char *w, size_t stride, Py_s
         return;
     }
     w += (size_t)(b / f.subs) * f.block_bytes;
-    const int sub = (int)(b % f.subs);
     if (n == 8) {
-        f.unpack_sub(s, w, stride, sub);
+        f.unpack_super(s, w, stride);
         return;
     }
     _Alignas(64) char rows[8][NS_MAX_BLOCK_BYTES] = {{0}};
     for (int c = 0; c < n; c++) memcpy(rows[c], w + (size_t)c * stride, f.block_bytes);
-    f.unpack_sub(s, rows[0], sizeof rows[0], sub);
+    f.unpack_super(s, rows[0], sizeof rows[0]);
 }
 
 /* acc[r][c] += dot[r][c] scaled: by the strips' d (or d2, Q6_K's second half) times dx, plus
@@ -199,7 +200,7 @@ AVX2_INLINE void strip_tile_avx2(const ns_qmm *a, const strip8 *panel, Py_ssize_
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 3
         for (int c = 0; c < nr; c++) acc[r][c] = _mm256_setzero_ps();
-    strip8 own[3];
+    strip8 own[3], super[3][QK_K / QK]; /* super: a K-quant's super-blocks */
     const strip8 *s[3] = {own, own + 1, own + 2};
     const Py_ssize_t after = c0 + 8 * nr, ahead = a->N - after < 8 * nr ? a->N - after : 8 * nr;
     const char *next = a->w + (size_t)(ahead > 0 ? after : 0) * a->row_bytes;
@@ -213,7 +214,13 @@ AVX2_INLINE void strip_tile_avx2(const ns_qmm *a, const strip8 *panel, Py_ssize_
                 continue;
             }
             const char *w = a->w + (size_t)(c0 + 8 * c) * a->row_bytes;
-            unpack_block_avx2(own + c, w, a->row_bytes, b, c == nr - 1 ? last : 8, f);
+            const int n = c == nr - 1 ? last : 8;
+            if (f.subs <= 1) {
+                unpack_block_avx2(own + c, w, a->row_bytes, b, n, f);
+                continue;
+            }
+            if (b % f.subs == 0) unpack_block_avx2(super[c], w, a->row_bytes, b, n, f);
+            s[c] = &super[c][b % f.subs];
         }
         block_step_avx2(acc, s, a->x, r0, mr, nr, b, f);
     }
@@ -262,7 +269,8 @@ AVX2_INLINE void unpack_panel_avx2(strip8 *panel, const ns_qmm *a, Py_ssize_t n0
         const int n = n1 - c0 < 8 ? (int)(n1 - c0) : 8;
         for (Py_ssize_t b = 0; b < nb; b++) {
             const char *w = a->w + (size_t)c0 * a->row_bytes;
-            unpack_block_avx2(panel + (s - p) * nb + b, w, a->row_bytes, b, n, f);
+            if (f.subs <= 1 || b % f.subs == 0) /* a super-block fills subs blocks */
+                unpack_block_avx2(panel + (s - p) * nb + b, w, a->row_bytes, b, n, f);
         }
     }
 }

@@ -186,9 +186,10 @@ class EngineConfig:
     )  # fmt: skip
     quantization: str = setting(
         "auto", "auto: a GGUF's matrices stay in their own formats where the kernels take them "
-        "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16; CPU, float32, one process); none: de-quantize "
-        "them; q8_0 ... bf16: keep a float checkpoint's matrices in that format (quantized at "
-        "load; CPU, float32)", choices=QUANTIZATIONS,
+        "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16; CPU, float32, one process); "
+        "none: de-quantize them; q8_0 ... bf16: keep a float checkpoint's matrices in that format "
+        "(quantized at load; CPU, float32; q4_k/q5_k/q6_k are refused: llama.cpp's quantizer "
+        "makes those)", choices=QUANTIZATIONS,
     )  # fmt: skip
     device: str = setting("cpu", "cpu, or cuda[:N]", limit=DEVICE)
     block_size: int = setting(16, "tokens per KV block (a power of 2)", limit=POWER_OF_2)
