@@ -88,35 +88,43 @@ def test_greedy_equals_transformers(family_dir, name, engine_args):
     assert ours == _reference(model_dir, prompts)
 
 
-WINDOWS = {
-    "mistral-v0.1": ("mistral", dict(sliding_window=32)),
+WINDOWS = {  # name: (family, config, each layer's window)
+    "mistral-v0.1": ("mistral", dict(sliding_window=8), (8, 8)),
     "qwen2-use-sliding-window": (
-        "qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=0),
+        "qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), (0, 8),
     ),
     "qwen3-layer-types": (
-        "qwen3", dict(head_dim=32, sliding_window=32, use_sliding_window=True,
-                      layer_types=["sliding_attention", "full_attention"]),
+        "qwen3", dict(head_dim=32, sliding_window=8, use_sliding_window=True,
+                      layer_types=["sliding_attention", "full_attention"]), (8, 0),
     ),
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("engine_args", [{}, POOL], ids=["default", "preempt-chunk"])
 @pytest.mark.parametrize("name", WINDOWS)
-def test_a_sliding_window_caps_the_context_and_within_it_equals_transformers(tmp_path, name):
-    """Sliding-window attention is not implemented; within the window full attention is the
-    same computation, so the context is the window: transformers' ids (it masks by the window)
-    up to it, a longer max_model_len refused by name, a longer prompt refused."""
-    family, config = WINDOWS[name]
+def test_sliding_windows_are_computed_as_transformers_computes_them(tmp_path, name, engine_args):
+    """Mistral 7B v0.1's window, Qwen2's use_sliding_window from max_window_layers on and
+    sliding_attention layers attend to the last `sliding_window` positions (Gemma 3's kernels):
+    prompts and outputs far past the window give transformers' ids, in the one-call C step for
+    batch 1 too; the context is not capped."""
+    family, config, windows = WINDOWS[name]
     model_dir = write_family_checkpoint(tmp_path / name, family, **config)
-    prompts = [p[:8] for p in _prompts(500)]  # 8 + MAX_TOKENS (24) positions: the window
-    llm = LLM(str(model_dir))
-    assert llm.engine.max_model_len == 32
+    llm = LLM(str(model_dir), **engine_args)
+    assert llm.engine.runner.model.config.layer_windows == windows
+    assert llm.engine.max_model_len > 64
+    prompts = _prompts(500)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == _reference(model_dir, prompts)
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([{"prompt_token_ids": list(range(40))}], params, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"longer than the model's sliding_window \(32\)"):
-        LLM(str(model_dir), max_model_len=64)
+    ours = [list(o.outputs[0].token_ids) for o in outs]
+    assert ours == _reference(model_dir, prompts)
+    llm.engine.audit()
+    if llm.engine.runner.cpu_step is not None:
+        one = llm.generate([{"prompt_token_ids": prompts[4]}], params, use_tqdm=False)
+        assert list(one[0].outputs[0].token_ids) == ours[4]
+    if not engine_args:  # the same weights without the window answer otherwise
+        unwindowed = _edited_copy(model_dir, tmp_path)
+        _edit_config(unwindowed, sliding_window=None)
+        assert _ours(unwindowed, prompts)[0] != ours
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -364,7 +372,10 @@ def test_generate_refuses_in_one_line(family_dir, tmp_path, name):
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("key,value", [("expert_count", 4), ("attention.clamp_kqv", 8.0)])
+@pytest.mark.parametrize(
+    "key,value",
+    [("expert_count", 4), ("attention.clamp_kqv", 8.0), ("attention.sliding_window", 16)],
+)
 def test_gguf_metadata_not_implemented_is_refused_by_name(
     family_dir, tmp_path, monkeypatch, key, value
 ):

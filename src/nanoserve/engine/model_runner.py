@@ -58,15 +58,7 @@ class ModelRunner:
         mc = checkpoint.config
         on_cuda = self.device.type == "cuda"
         self._baseline = torch.cuda.memory_allocated(self.device) if on_cuda else 0
-        positions = config.max_model_len or mc.context_limit
-        if mc.sliding_window and positions > mc.sliding_window:
-            raise ValueError(
-                f"max_model_len {positions} is longer than the model's sliding_window "
-                f"({mc.sliding_window}): sliding-window attention is not implemented, and within "
-                "the window full attention computes the same"
-            )
-        if positions < mc.max_position_embeddings and not config.max_model_len:
-            log.info("context capped to the sliding window, %d positions", positions)
+        positions = config.max_model_len or mc.max_position_embeddings
         self.model = Llama(mc, self._load(checkpoint), positions, parallel)
         layers = self.model.weights.layers
         # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.

@@ -1,7 +1,7 @@
 """What a checkpoint says about its model: `ModelConfig` from a Hugging Face `config.json` (both
 the `rope_theta` + `rope_scaling` layout of the published Llama-3.2 checkpoints and the newer
 `rope_parameters` layout), every field checked here: a `CheckpointError` names the file and the
-field. The families (Llama, Qwen2, Qwen3) are options of one decoder; a key that would change
+field. The families (Llama, Mistral, Qwen2, Qwen3) are options of one decoder; a key that would change
 the computation in a way nanoserve does not implement is refused by name. Gemma 3 text
 (`Gemma3ForCausalLM`) is the same decoder with its options: (1 + w) norms, a scaled embedding,
 GELU-tanh, four norms a layer, and sliding-window layers with their own RoPE. Frozen; imports no
@@ -64,10 +64,6 @@ class ModelConfig:
     o_bias: bool = False  # the output projection adds one (Llama's attention_bias)
     mlp_bias: bool = False  # gate, up and down add one (Llama's mlp_bias)
     qk_norm: bool = False  # RMSNorm of each head of q and of k before RoPE (Qwen3)
-    # Attention to the last `sliding_window` positions only (Mistral 7B v0.1, Qwen2 with
-    # use_sliding_window, sliding_attention layers). Not implemented as such: within the window
-    # full attention is the same computation, so the context is capped to it (context_limit).
-    sliding_window: int | None = None
     # Gemma 3's options (model/llama.py says where each applies).
     norm_plus_one: bool = False  # every RMSNorm scales by (1 + w): folded into w at load
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the model dtype
@@ -76,18 +72,11 @@ class ModelConfig:
     attn_scale: float | None = None  # of q.k; None: head_dim ** -0.5
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # Sliding-window attention computed as such, a window per layer (0: the layer attends to
-    # every position); empty where no layer is windowed this way. Each windowed layer rotates by
-    # local_rope, the others by rope.
+    # every position); empty where no layer is windowed (Gemma 3's sliding layers, Mistral 7B
+    # v0.1's window, Qwen2's use_sliding_window). Each windowed layer rotates by local_rope where
+    # there is one (Gemma 3), the others by rope.
     layer_windows: tuple[int, ...] = ()
     local_rope: RopeConfig | None = None
-
-    @property
-    def context_limit(self) -> int:
-        """The longest context computed exactly as the checkpoint's model computes it."""
-        if self.layer_windows:  # windows computed as such: no cap
-            return self.max_position_embeddings
-        window = self.sliding_window or self.max_position_embeddings
-        return min(self.max_position_embeddings, window)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -145,7 +134,7 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=family == "llama" and _bool(d, "mlp_bias", False),
             qk_norm=family == "qwen3",
-            sliding_window=_sliding_window(d, family),
+            layer_windows=_layer_windows(d, family),
         )
 
 
@@ -297,19 +286,22 @@ def _gemma3(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _sliding_window(d: dict[str, Any], family: str) -> int | None:
-    """The window of the layers that attend to a sliding window, where any does: Mistral's
-    sliding_window, layer_types' sliding_attention layers, or Qwen2's and Qwen3's from layer
-    max_window_layers on when use_sliding_window."""
+def _layer_windows(d: dict[str, Any], family: str) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none), or () where no layer has one: Mistral's
+    sliding_window on every layer, layer_types' sliding_attention layers, or Qwen2's and Qwen3's
+    from layer max_window_layers on when use_sliding_window (as transformers reads them)."""
     if d.get("sliding_window") is None:
-        return None
-    layers = _positive_int(d, "num_hidden_layers")
-    used = (
-        family == "mistral"
-        or "sliding_attention" in (d.get("layer_types") or [])
-        or (bool(d.get("use_sliding_window")) and layers > d.get("max_window_layers", 0))
-    )
-    return _positive_int(d, "sliding_window") if used else None
+        return ()
+    window, layers = _positive_int(d, "sliding_window"), _positive_int(d, "num_hidden_layers")
+    if family == "mistral":
+        windowed = [True] * layers
+    elif d.get("layer_types"):
+        windowed = [t == "sliding_attention" for t in d["layer_types"]]
+    elif d.get("use_sliding_window"):
+        windowed = [i >= d.get("max_window_layers", 0) for i in range(layers)]
+    else:
+        windowed = [False] * layers
+    return tuple(window if w else 0 for w in windowed) if any(windowed) else ()
 
 
 def _positive_int(d: dict[str, Any], key: str, default: int | None = None) -> int:

@@ -141,7 +141,6 @@ class GGUFCheckpoint:
             o_bias=has("blk.0.attn_output.bias"),
             mlp_bias=has("blk.0.ffn_down.bias"),
             qk_norm=arch == "qwen3",
-            sliding_window=self._get("attention.sliding_window"),
         )
 
     def _check_refused(self, head_dim: int) -> None:
@@ -151,6 +150,8 @@ class GGUFCheckpoint:
             "attention.value_length": (self._get("attention.value_length", head_dim), head_dim),
             "expert_count": (self._get("expert_count", 0), 0),
             "attention.clamp_kqv": (self._get("attention.clamp_kqv"), None),
+            # llama.cpp's converter writes none for these architectures, nor says how it applies
+            "attention.sliding_window": (self._get("attention.sliding_window"), None),
         }
         for key, (value, implemented) in changes.items():
             if value != implemented:
