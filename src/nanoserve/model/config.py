@@ -1,8 +1,8 @@
 """What a checkpoint says about its model: `ModelConfig` from a Hugging Face `config.json` (both
 the `rope_theta` + `rope_scaling` layout of the published Llama-3.2 checkpoints and the newer
 `rope_parameters` layout), every field checked here: a `CheckpointError` names the file and the
-field. The families (Llama, Mistral, Qwen2, Qwen3) are options of one decoder; a key that would change
-the computation in a way nanoserve does not implement is refused by name. Gemma 3 text
+field. The families (Llama, Mistral, Qwen2, Qwen3) are options of one decoder; a key that would
+change the computation in a way nanoserve does not implement is refused by name. Gemma 3 text
 (`Gemma3ForCausalLM`) is the same decoder with its options: (1 + w) norms, a scaled embedding,
 GELU-tanh, four norms a layer, and sliding-window layers with their own RoPE. Frozen; imports no
 torch, so the command line checks a checkpoint before torch loads.
