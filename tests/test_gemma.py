@@ -258,7 +258,8 @@ def test_gemma_3_1b_config_reads_as_transformers_reads_it():
     assert c.layer_windows == tuple(512 if t == "sliding_attention" else 0 for t in hf.layer_types)
     assert c.layer_windows[:6] == (512,) * 5 + (0,)
     assert (c.rope.theta, c.local_rope and c.local_rope.theta) == (1e6, 1e4)
-    assert c.tie_word_embeddings and c.attn_scale == 256**-0.5 and c.context_limit == 32768
+    assert c.tie_word_embeddings and c.attn_scale == 256**-0.5
+    assert c.max_position_embeddings == 32768  # not capped by the windows
     scaled = ModelConfig.from_dict({**published, "rope_scaling": {"rope_type": "linear",
                                                                  "factor": 8.0}})  # fmt: skip
     assert (scaled.rope.rope_type, scaled.rope.factor) == ("linear", 8.0)
