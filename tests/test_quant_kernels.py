@@ -485,7 +485,8 @@ def _caches(seed: int) -> list[torch.Tensor]:
 
 
 # A family's options (biases, q/k norms): absent, a null pointer.
-OPTIONS = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm")
+OPTIONS = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm", "attn_out_norm",
+           "mlp_out_norm")  # fmt: skip
 
 
 def _layers(matrices, norms, caches) -> list[dict]:
@@ -579,7 +580,7 @@ def test_decode_step_refuses_bad_formats_and_fields():
         c_backend.layer_table(layers)
     layers = _layers(ours, norms, caches)
     layers[0]["extra"] = (0, 0)
-    with pytest.raises(ValueError, match=r"layers\[0\] has 15 fields; .* layer_weights has 14"):
+    with pytest.raises(ValueError, match=r"layers\[0\] has 17 fields; .* layer_weights has 16"):
         c_backend.layer_table(layers)
     with pytest.raises(ValueError, match=r"layers\[0\]\.qkv is in GGUF blocks \(format 3\), which"):
         _run_step(h.bfloat16(), ours, norms, caches, 1)
