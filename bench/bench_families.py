@@ -32,6 +32,7 @@ FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=None)),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", dict(head_dim=64)),
+    "gemma3": ("gemma3_text", dict(head_dim=64, sliding_window=64)),
 }
 
 
