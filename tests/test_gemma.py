@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_families import POOL, _edit_config, _edited_copy, _reference
+from test_families import POOL, _edit_config, _edited_copy, _reference, check_prompt_logprobs
 from test_oracle import MAX_TOKENS, _ours, _prompts
 
 from nanoserve import LLM, SamplingParams
@@ -74,19 +74,7 @@ def test_the_window_is_computed_not_capped(gemma_dir, tmp_path):
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma3-tied-softcap"])
 def test_prompt_logprobs_equal_transformers(gemma_dir, name):
-    import transformers
-
-    model_dir, prompt = gemma_dir(name), list(range(5, 75))
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.inference_mode():
-        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
-    params = SamplingParams(prompt_logprobs=3, max_tokens=1, temperature=0)
-    out = LLM(str(model_dir), max_num_batched_tokens=32).generate(
-        [{"prompt_token_ids": prompt}], params, use_tqdm=False
-    )[0]
-    for i in range(1, len(prompt)):
-        for token, lp in out.prompt_logprobs[i].items():
-            assert lp.logprob == pytest.approx(float(reference[i - 1, token]), abs=1e-4)
+    check_prompt_logprobs(gemma_dir(name))
 
 
 def test_bfloat16_close_to_transformers(gemma_dir):
