@@ -30,7 +30,7 @@ import transformers
 from bench.machine import cpu_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.default_model import default_model_path
-from nanoserve.kernels import QuantizedWeight
+from nanoserve.kernels import QuantizedParts, QuantizedWeight
 from nanoserve.testing.llamacpp_convert import convert
 
 RESULTS = Path(__file__).parent / "results"
@@ -106,25 +106,29 @@ def file_formats(path: Path) -> tuple[int, dict[str, int]]:
 
 def resident(llm: LLM) -> tuple[int, int, dict[str, int]]:
     """(bytes of all weights, bytes a decode step reads: every matrix, the output projection
-    included, not the embedding but the rows it looks up, count of matrices per kept format)."""
+    included, not the embedding but the rows it looks up, count of matrices per kept format, a
+    fused matrix of parts in different formats counting each part)."""
     w = llm.engine.runner.model.weights
-    seen: dict[int, int] = {}
-    kept: dict[str, int] = {}
 
-    def size(t: object) -> int:
+    def tensors(t: object) -> list[torch.Tensor]:
+        if isinstance(t, QuantizedParts):
+            return [p.data for p in t.parts]
         data = t.data if isinstance(t, QuantizedWeight) else t
         assert isinstance(data, torch.Tensor)
-        return data.numel() * data.element_size()
+        return [data]
+
+    def size(ts: list[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
 
     matrices = [m.weight for x in w.layers for m in (x.qkv, x.o, x.gate_up, x.down)]
     matrices.append(w.lm_head.weight)
+    kept: dict[str, int] = {}
     for m in matrices:
-        key = m.qtype if isinstance(m, QuantizedWeight) else f"float ({m.dtype})"
-        kept[key] = kept.get(key, 0) + 1
-    step = sum(size(m) for m in {id(m): m for m in matrices}.values())
-    for t in [w.embed, *matrices]:
-        data = t.data if isinstance(t, QuantizedWeight) else t
-        seen[data.data_ptr()] = size(t)
+        for part in m.parts if isinstance(m, QuantizedParts) else (m,):
+            key = part.qtype if isinstance(part, QuantizedWeight) else f"float ({part.dtype})"
+            kept[key] = kept.get(key, 0) + 1
+    step = sum(size(tensors(m)) for m in {id(m): m for m in matrices}.values())
+    seen = {t.data_ptr(): size([t]) for m in [w.embed, *matrices] for t in tensors(m)}
     return sum(seen.values()), step, kept
 
 

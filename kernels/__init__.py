@@ -28,6 +28,7 @@ from .api import (
 from .quant import (
     ACTIVATIONS,
     QUANT_TYPES,
+    QuantizedParts,
     QuantizedWeight,
     aligned_bytes,
     cpu_isa,
@@ -43,6 +44,7 @@ __all__ = [
     "SMALL_LINEAR_MAX_ROWS",
     "BackendUnavailableError",
     "QUANT_TYPES",
+    "QuantizedParts",
     "QuantizedWeight",
     "aligned_bytes",
     "available_backends",

@@ -163,16 +163,21 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
 QTYPE_CODES = {name: row[0] for name, row in BLOCK_FORMATS.items()}
 
 
-def quant_linear(x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
+def quant_linear(
+    x: torch.Tensor, data: torch.Tensor, qtype: str, out: torch.Tensor, col: int = 0, rows: int = 0
+) -> None:
+    """out[:, col : col + rows] = x @ the blocks' matrix.T (rows 0: out's width from col)."""
+    n = rows or out.shape[1] - col
     _C.quant_linear(
-        out=out.data_ptr(),
+        out=out.data_ptr() + col * out.element_size(),
         x=x.data_ptr(),
         w=data.data_ptr(),
         M=x.shape[0],
-        N=out.shape[1],
+        N=n,
         K=x.shape[1],
         qtype=QTYPE_CODES[qtype],
         num_threads=torch.get_num_threads(),
+        ldo=out.shape[1],
     )
 
 

@@ -85,6 +85,28 @@ class QuantizedWeight:
         return self.shape[1] // BLOCK_VALUES[self.qtype] * BLOCK_BYTES[self.qtype]
 
 
+@dataclass(frozen=True, eq=False)
+class QuantizedParts:
+    """A matrix [N, K] whose row ranges are in different block formats, each part kept in its
+    own: a fused q/k/v or gate/up matrix of a file that mixes formats (llama.cpp's Q4_K_M keeps q
+    and k in Q4_K and v in Q6_K). The rows are the parts' in order; quantized_linear multiplies
+    each part into its columns of one output, so a result is bitwise the part's own matmul's."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    def __post_init__(self) -> None:
+        parts = tuple(self.parts)
+        if len(parts) < 2 or not all(isinstance(p, QuantizedWeight) for p in parts):
+            raise TypeError("parts must be two or more QuantizedWeights")
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(f"parts must have one K, got shapes {[p.shape for p in parts]}")
+        object.__setattr__(self, "parts", parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+
 def _matrix_shape(shape: object, qtype: str) -> tuple[int, int]:
     """shape as (N, K) of ints, N >= 0 and K a positive multiple of BLOCK_VALUES[qtype]."""
     try:
@@ -169,7 +191,7 @@ def dequantize(w: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Te
 
 def quantized_linear(
     x: torch.Tensor,
-    w: QuantizedWeight,
+    w: QuantizedWeight | QuantizedParts,
     out: torch.Tensor | None = None,
     *,
     activations: str = ACTIVATIONS[0],
@@ -185,7 +207,10 @@ def quantized_linear(
     if out is None:
         out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     if out.numel():
-        c_backend.quant_linear(x, w.data, w.qtype, out)
+        col = 0
+        for part in w.parts if isinstance(w, QuantizedParts) else (w,):
+            c_backend.quant_linear(x, part.data, part.qtype, out, col, part.shape[0])
+            col += part.shape[0]
     return out
 
 
@@ -243,8 +268,8 @@ def _check_tensor_2d(name: str, t: object, layout: str) -> None:
 
 
 def _check_quantized_linear(x: object, w: object, out: object) -> None:
-    if not isinstance(w, QuantizedWeight):
-        raise TypeError(f"w must be a QuantizedWeight, got {type(w).__name__}")
+    if not isinstance(w, QuantizedWeight | QuantizedParts):
+        raise TypeError(f"w must be a QuantizedWeight or QuantizedParts, got {type(w).__name__}")
     x = _check_tensor("x", x, "[M, K]")
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise TypeError(f"x must be a float32 CPU tensor, got {x.dtype} on {x.device}")

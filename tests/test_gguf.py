@@ -129,9 +129,11 @@ async def test_greedy_chat_answers_equal_transformers_through_the_server(hf_mode
     assert "Paris" in _hf_greedy(hf_model, hf_tokenizer, QUESTIONS[0], 40)
 
 
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
 def _greedy_ids(model, prompts, **engine_args) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = LLM(str(model), **engine_args).generate(prompts, params, use_tqdm=False)
+    outs = LLM(str(model), **engine_args).generate(prompts, GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -199,6 +201,43 @@ def test_a_gguf_of_mixed_formats_keeps_each_and_equals_its_float32_self(
     ) in caplog.text
     for fused in (f"{n} in q5_1 blocks", f"{n} in bf16 blocks", f"{n} in f16 blocks"):
         assert fused in caplog.text  # q/k/v and gate/up fused in their format
+    assert kept == _greedy_ids(path, PROMPTS, dtype="float32", quantization="none")
+
+
+# As llama.cpp's Q4_K_M of a model whose rows are no multiple of 256: v and down in another
+# format than q and k, up in another than gate.
+PARTS = {**MIXED, "attn_v": gguf.GGMLQuantizationType.Q8_0,
+         "ffn_up": gguf.GGMLQuantizationType.Q5_0}  # fmt: skip
+
+
+def test_a_fused_matrix_of_mixed_formats_keeps_each_part_in_its_own(
+    tiny_model_factory, tmp_path, caplog
+):
+    """q and k in one format, v in another: the fused qkv is kept as its parts, each in its own
+    blocks (not de-quantized), and greedy decoding (the one-call C step) equals the file
+    de-quantized to float32."""
+    model_dir = tiny_model_factory(tie_word_embeddings=False)
+    path = write_gguf(model_dir, tmp_path / "parts.gguf", mixed=PARTS)
+    n = ModelConfig.from_dir(model_dir).num_layers
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(path), dtype="float32")
+    assert (
+        f"matrices kept in their formats: {n} bf16, {n} f16, 1 q4_0, {2 * n} q5_0, {2 * n} q5_1, "
+        f"{n + 1} q8_0; de-quantized to torch.float32: none"
+    ) in caplog.text
+    config, layer = llm.engine.runner.model.config, llm.engine.runner.model.weights.layers[0]
+    v_rows = config.num_kv_heads * config.head_dim
+    qkv, gate_up = layer.qkv.weight, layer.gate_up.weight
+    assert [(p.qtype, p.shape[0]) for p in qkv.parts] == [
+        ("q5_1", qkv.shape[0] - v_rows),
+        ("q8_0", v_rows),
+    ]
+    assert [(p.qtype, p.shape[0]) for p in gate_up.parts] == [
+        ("bf16", config.intermediate_size),
+        ("q5_0", config.intermediate_size),
+    ]
+    assert llm.engine.runner.cpu_step is not None
+    kept = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert kept == _greedy_ids(path, PROMPTS, dtype="float32", quantization="none")
 
 

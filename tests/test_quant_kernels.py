@@ -591,6 +591,80 @@ def test_decode_step_refuses_bad_formats_and_fields():
         _run_step(h.bfloat16(), ours, norms, caches, 1)
 
 
+def _parts(m: torch.Tensor, formats: list[tuple[int, str]]) -> kernels.QuantizedParts:
+    """m's rows in parts of (rows, format), in order."""
+    parts, start = [], 0
+    for n, q in formats:
+        parts.append(kernels.quantize(m[start : start + n], q))
+        start += n
+    return kernels.QuantizedParts(tuple(parts))
+
+
+def _as_parts(w: kernels.QuantizedParts) -> list:
+    return [((p.data.data_ptr(), c_backend.QTYPE_CODES[p.qtype]), p.shape[0]) for p in w.parts]
+
+
+QKV_ROWS = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+QKV_PARTS = [(QKV_ROWS - KV_HEADS * HEAD_DIM, "q4_1"), (KV_HEADS * HEAD_DIM, "q8_0")]  # q k | v
+GATE_UP_PARTS = [(INTER, "q4_0"), (INTER, "q5_0")]
+
+
+def test_a_matrix_of_parts_is_each_parts_own_matmul_side_by_side(isa):
+    """Each part multiplied in its own format into its columns: bitwise the part alone."""
+    g = torch.Generator().manual_seed(3)
+    m, x = torch.randn(160, 96, generator=g), torch.randn(5, 96, generator=g)
+    w = _parts(m, [(64, "q4_1"), (32, "q8_0"), (64, "q5_0")])
+    assert w.shape == (160, 96)
+    expected = torch.cat([kernels.quantized_linear(x, p) for p in w.parts], dim=1)
+    assert torch.equal(kernels.quantized_linear(x, w), expected)
+    with pytest.raises(TypeError, match="two or more QuantizedWeights"):
+        kernels.QuantizedParts((w.parts[0],))
+    with pytest.raises(ValueError, match="parts must have one K"):
+        kernels.QuantizedParts((w.parts[0], kernels.quantize(torch.randn(4, 64), "q8_0")))
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decode_step_on_matrices_of_parts(isa, rows):
+    """qkv and gate_up each in two formats, as a Q4_K_M file's: against the float path on the
+    de-quantized matrices, and a sequence's result the same alone or in a batch."""
+    norms, ours, theirs, keep = _mixed_model(seed=6)
+    for i, layer in enumerate(_float_layers(seed=6)):
+        qkv, gate_up = _parts(layer[2], QKV_PARTS), _parts(layer[4], GATE_UP_PARTS)
+        values = [torch.cat([kernels.dequantize(p) for p in w.parts]) for w in (qkv, gate_up)]
+        ours[i] = [_as_parts(qkv), ours[i][1], _as_parts(gate_up), ours[i][3]]
+        theirs[i] = [(values[0].data_ptr(), 0), theirs[i][1], (values[1].data_ptr(), 0),
+                     theirs[i][3]]  # fmt: skip
+        keep += [qkv, gate_up, *values]
+    h = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(8))
+    got = _run_step(h, ours, norms, _caches(9), rows)
+    expected = _run_step(h, theirs, norms, _caches(9), rows)
+    assert (got - expected).abs().max() <= STEP_TOLERANCE * expected.abs().max()
+    assert torch.equal(_run_step(h, ours, norms, _caches(9), 1)[0], got[0])
+
+
+def test_decode_step_refuses_parts_that_do_not_fit():
+    norms, ours, _, _keep = _mixed_model(seed=6)
+    caches, h = _caches(1), torch.randn(1, HIDDEN)
+    short = _parts(torch.randn(QKV_ROWS - 16, HIDDEN), [(32, "q4_1"), (QKV_ROWS - 48, "q8_0")])
+    bad = [list(row) for row in ours]
+    bad[1][0] = _as_parts(short)
+    with pytest.raises(
+        ValueError, match=r"layers\[1\]\.qkv: its parts have 112 rows, the matrix 128"
+    ):
+        _run_step(h, bad, norms, caches, 1)
+    layers = _layers(ours, norms, caches)
+    layers[0]["input_norm"] = [((norms[0][0].data_ptr(), 0), 64)] * 2
+    with pytest.raises(ValueError, match=r"layers\[0\]\.input_norm: a list of parts, but it is no"):
+        c_backend.layer_table(layers)
+    layers = _layers(ours, norms, caches)
+    layers[0]["qkv"] = [((short.parts[0].data.data_ptr(), 0), 32)] * 2
+    with pytest.raises(ValueError, match=r"layers\[0\]\.qkv\[0\]: a part must be in GGUF blocks"):
+        c_backend.layer_table(layers)
+    layers[0]["qkv"] = [(short.parts[0].data.data_ptr(), 32)] * 2
+    with pytest.raises(TypeError, match=r"layers\[0\]\[\"qkv\"\]\[0\] must be a tuple \(pointer"):
+        c_backend.layer_table(layers)
+
+
 # ---------------------------------------------------------------- SmolLM2-135M end to end
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

@@ -21,20 +21,34 @@
  * With float32 activations each matrix may instead be in GGUF blocks (quant.c, whose matmuls
  * quantize their input to int16), as its format says: 0 for floats of the step's dtype, else the
  * GGML type id. Rows of blocks concatenate like rows of floats, so the fused qkv and gate_up
- * matrices are the row-concatenations of their parts' blocks.
+ * matrices are the row-concatenations of their parts' blocks; where the parts are in different
+ * formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K) the matrix comes as its parts, each in its
+ * own format, multiplied one after the other into their columns of one output.
  */
 #include "nanoserve.h"
 
 #include <math.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* The most parts a fused matrix comes in (q, k, v). */
+enum { STEP_PARTS = 3 };
+
 /* A tensor the step reads: its data, and how it is stored: 0, floats of the step's dtype; else
- * (a matrix only) the GGML type id of its GGUF blocks. */
+ * (a matrix only) the GGML type id of its GGUF blocks. A matrix of parts in different formats
+ * has parts > 1: part[i] holds rows[i] rows of it, in blocks of format[i] at data[i] (data and
+ * format are then part 0's). */
 typedef struct {
     const void *data;
     int format;
+    int parts; /* 0: the tensor is data alone */
+    struct {
+        const void *data;
+        int format;
+        Py_ssize_t rows;
+    } part[STEP_PARTS];
 } step_tensor;
 
 /* One decoder layer: its weights, field for field model/weights.py's LayerWeights, and its KV
@@ -73,7 +87,7 @@ enum { NUM_FIELDS = sizeof FIELDS / sizeof FIELDS[0] };
 _Static_assert(sizeof(layer_weights) == NUM_FIELDS * sizeof(step_tensor), "a row per field");
 
 /* Field f of layer w. */
-static step_tensor *field_of(layer_weights *w, int f) {
+static step_tensor *field_of(const layer_weights *w, int f) {
     return (step_tensor *)((char *)w + FIELDS[f].offset);
 }
 
@@ -111,8 +125,16 @@ typedef struct {
  * matmul where m is in GGUF blocks. */
 static int matmul(const step_args *s, const step_tensor *m, void *out, const void *x, Py_ssize_t N,
                   Py_ssize_t K) {
+    int rc = 0;
+    Py_ssize_t n0 = 0; /* a part's first column of out */
+    for (int i = 0; i < m->parts; i++) {
+        rc |= nanoserve_quant_matmul((float *)out + n0, N, x, m->part[i].data, s->rows,
+                                     m->part[i].rows, K, m->part[i].format, s->threads);
+        n0 += m->part[i].rows;
+    }
+    if (m->parts) return rc;
     if (m->format)
-        return nanoserve_quant_matmul(out, x, m->data, s->rows, N, K, m->format, s->threads);
+        return nanoserve_quant_matmul(out, N, x, m->data, s->rows, N, K, m->format, s->threads);
     return nanoserve_gemv(out, x, m->data, s->rows, N, K, s->dtype, s->threads);
 }
 
@@ -323,6 +345,32 @@ static int check_sizes(const step_args *s) {
     return 0;
 }
 
+/* The rows (output features) of matrix field f, or 0 for a field that is no matrix. */
+static Py_ssize_t matrix_rows(const step_args *s, int f) {
+    const size_t at = FIELDS[f].offset;
+    if (at == offsetof(layer_weights, qkv)) return (s->heads + 2 * s->kv_heads) * s->head_dim;
+    if (at == offsetof(layer_weights, gate_up)) return 2 * s->intermediate;
+    if (at == offsetof(layer_weights, o) || at == offsetof(layer_weights, down)) return s->hidden;
+    return 0;
+}
+
+/* 0, or -1 with a ValueError set where a matrix's parts do not add up to its rows. */
+static int check_parts(const step_args *s) {
+    for (Py_ssize_t l = 0; l < s->table->num_layers; l++)
+        for (int f = 0; f < NUM_FIELDS; f++) {
+            const step_tensor *t = field_of(&s->table->layers[l], f);
+            Py_ssize_t rows = 0;
+            for (int i = 0; i < t->parts; i++) rows += t->part[i].rows;
+            if (t->parts && rows != matrix_rows(s, f)) {
+                PyErr_Format(PyExc_ValueError,
+                             "layers[%zd].%s: its parts have %zd rows, the matrix %zd", l,
+                             FIELDS[f].name, rows, matrix_rows(s, f));
+                return -1;
+            }
+        }
+    return 0;
+}
+
 /* 0, or -1 with a ValueError set when a tensor in GGUF blocks comes with bfloat16 activations
  * (the quantized matmuls take float32), or a float matrix with more rows than the GEMV takes. */
 static int check_formats(const step_args *s) {
@@ -354,7 +402,7 @@ PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *k
     step_args s = {0}; /* attn.window 0: the C step runs no sliding window */
     Py_ssize_t table_rows;
     if (parse_step_args(args, kwargs, &s, &table_rows) < 0 || check_sizes(&s) < 0 ||
-        check_formats(&s) < 0 || nanoserve_check_positions(s.positions, s.rows, table_rows) < 0 ||
+        check_formats(&s) < 0 || check_parts(&s) < 0 || nanoserve_check_positions(s.positions, s.rows, table_rows) < 0 ||
         nanoserve_check_slots(s.slots, s.rows, 1,
                               (int64_t)s.attn.num_blocks * s.attn.block_size) < 0 ||
         nanoserve_check_tables(&s.attn) < 0)
@@ -369,25 +417,72 @@ PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *k
 
 /* ---------------------------------------------------------------- the table of layers */
 
-/* Field f of layer i from its (pointer, format) tuple; 0, or -1 with an error set. */
+/* A tensor's (pointer, format) as field f of layer i (`what`: its name in errors); 0, or -1 with
+ * an error set. */
+static int parse_stored(PyObject *value, int f, Py_ssize_t i, const char *what,
+                        unsigned long long *data, int *format) {
+    if (!PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 2 ||
+        !PyArg_ParseTuple(value, "Ki", data, format)) {
+        PyErr_Format(PyExc_TypeError, "layers[%zd][\"%s\"]%s must be a tuple (pointer, format)",
+                     i, FIELDS[f].name, what);
+        return -1;
+    }
+    const char *why = *format == 0                       ? NULL
+                      : !FIELDS[f].blocks                ? "it is never in GGUF blocks"
+                      : !nanoserve_block_bytes(*format) ? "no GGUF block format (_C.BLOCK_FORMATS)"
+                                                         : NULL;
+    if (why) {
+        PyErr_Format(PyExc_ValueError, "layers[%zd].%s%s: format %d, but %s", i, FIELDS[f].name,
+                     what, *format, why);
+        return -1;
+    }
+    return 0;
+}
+
+/* Field f of layer i from its (pointer, format) tuple, or for a matrix of parts in different
+ * formats a list of 2 to STEP_PARTS tuples ((pointer, format), rows), each in blocks; 0, or -1
+ * with an error set. */
 static int fill_field(layer_weights *w, int f, PyObject *value, Py_ssize_t i) {
+    step_tensor *t = field_of(w, f);
     unsigned long long data;
     int format;
-    if (!PyTuple_Check(value) || !PyArg_ParseTuple(value, "Ki", &data, &format)) {
-        PyErr_Format(PyExc_TypeError, "layers[%zd][\"%s\"] must be a tuple (pointer, format)", i,
-                     FIELDS[f].name);
+    if (!PyList_Check(value)) {
+        if (parse_stored(value, f, i, "", &data, &format) < 0) return -1;
+        *t = (step_tensor){(const void *)(uintptr_t)data, format, 0, {{0}}};
+        return 0;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(value);
+    if (!FIELDS[f].blocks || n < 2 || n > STEP_PARTS) {
+        PyErr_Format(PyExc_ValueError, "layers[%zd].%s: a list of parts, but %s", i,
+                     FIELDS[f].name,
+                     FIELDS[f].blocks ? "a matrix has 2 to 3 parts" : "it is no matrix");
         return -1;
     }
-    const char *why = format == 0                       ? NULL
-                      : !FIELDS[f].blocks               ? "it is never in GGUF blocks"
-                      : !nanoserve_block_bytes(format) ? "no GGUF block format (_C.BLOCK_FORMATS)"
-                                                        : NULL;
-    if (why) {
-        PyErr_Format(PyExc_ValueError, "layers[%zd].%s: format %d, but %s", i, FIELDS[f].name,
-                     format, why);
-        return -1;
+    *t = (step_tensor){NULL, 0, (int)n, {{0}}};
+    for (Py_ssize_t p = 0; p < n; p++) {
+        PyObject *item = PyList_GET_ITEM(value, p), *stored;
+        Py_ssize_t rows;
+        char what[32];
+        snprintf(what, sizeof what, "[%zd]", p);
+        if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "On", &stored, &rows)) {
+            PyErr_Format(PyExc_TypeError,
+                         "layers[%zd][\"%s\"]%s must be a tuple ((pointer, format), rows)", i,
+                         FIELDS[f].name, what);
+            return -1;
+        }
+        if (parse_stored(stored, f, i, what, &data, &format) < 0) return -1;
+        if (!format || rows < 1) {
+            PyErr_Format(PyExc_ValueError, "layers[%zd].%s%s: a part must be in GGUF blocks and "
+                         "have rows, got format %d, %zd rows", i, FIELDS[f].name, what, format,
+                         rows);
+            return -1;
+        }
+        t->part[p].data = (const void *)(uintptr_t)data;
+        t->part[p].format = format;
+        t->part[p].rows = rows;
     }
-    *field_of(w, f) = (step_tensor){(const void *)(uintptr_t)data, format};
+    t->data = t->part[0].data;
+    t->format = t->part[0].format;
     return 0;
 }
 

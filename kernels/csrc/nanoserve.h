@@ -170,12 +170,13 @@ static inline void ns_store_kv_token(const kv_cache *c, const char *key, const c
 int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssize_t N,
                    Py_ssize_t K, int dtype, int num_threads);
 
-/* quant.c: out [M, N] float32 = x [M, K] float32 times the transpose of w [N, K], a matrix of
- * GGUF blocks of GGML type qtype (a code of quant.c's table of formats); K a multiple of 32; x
- * quantized per block of 32 to int16. Each out[m, n] depends on row m of x and row n of w only
- * (bitwise, whatever M, the other rows or the thread count). 0, or -1 when out of memory. */
-int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
-                           Py_ssize_t K, int qtype, int num_threads);
+/* quant.c: out [M, N] float32 (row m at out + m ldo, ldo >= N) = x [M, K] float32 times the
+ * transpose of w [N, K], a matrix of GGUF blocks of GGML type qtype (a code of quant.c's table of
+ * formats); K a multiple of the format's block; x quantized per block of 32 to int16. Each
+ * out[m, n] depends on row m of x and row n of w only (bitwise, whatever M, N, the other rows or
+ * the thread count). 0, or -1 when out of memory. */
+int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const void *w, Py_ssize_t M,
+                           Py_ssize_t N, Py_ssize_t K, int qtype, int num_threads);
 /* Bytes of one block of the format with GGML type id qtype, or 0 for no format. */
 size_t nanoserve_block_bytes(int qtype);
 

@@ -136,15 +136,15 @@ static void quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x
 
 /* ---------------------------------------------------------------- the driver */
 
-int nanoserve_quant_matmul(float *out, const float *x, const void *w, Py_ssize_t M, Py_ssize_t N,
-                           Py_ssize_t K, int qtype, int num_threads) {
+int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const void *w, Py_ssize_t M,
+                           Py_ssize_t N, Py_ssize_t K, int qtype, int num_threads) {
     const ns_block_format *f = ns_block_format_of(qtype);
     const int path = isa_in_use + vnni_in_use; /* NS_AVX512 + 1 is NS_AVX512_VNNI */
     const uint8_t *order = path == NS_PORTABLE ? NULL : f->pairs;
     ns_xq xq = {0};
     void *base = NULL; /* the quantized activations, which a float_x format does without */
     if (!f->float_x && !(base = xq_alloc(&xq, M, K))) return -1;
-    const ns_qmm a = {out, (const char *)w, &xq, M, N, K,
+    const ns_qmm a = {out, (const char *)w, &xq, M, N, K, ldo,
                       (size_t)(K / ns_block_values(f)) * f->block_bytes, x};
     const ns_matmul_fn kernel = f->matmul[path];
     if (num_threads > N) num_threads = N > 0 ? (int)N : 1;
@@ -172,23 +172,24 @@ size_t nanoserve_block_bytes(int qtype) {
 
 PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    static char *kwlist[] = {"out", "x", "w", "M", "N", "K", "qtype", "num_threads", NULL};
+    static char *kwlist[] = {"out", "x", "w", "M", "N", "K", "qtype", "num_threads", "ldo", NULL};
     unsigned long long out, x, w;
-    Py_ssize_t M, N, K;
+    Py_ssize_t M, N, K, ldo = -1; /* -1: N, out is [M, N] */
     int qtype, num_threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKnnnii", kwlist, &out, &x, &w, &M, &N, &K,
-                                     &qtype, &num_threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKnnnii|n", kwlist, &out, &x, &w, &M, &N, &K,
+                                     &qtype, &num_threads, &ldo))
         return NULL;
+    if (ldo == -1) ldo = N;
     const ns_block_format *f = ns_block_format_of(qtype);
-    if (!f || M < 0 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1) {
-        PyErr_Format(PyExc_ValueError, "quant_linear: qtype code %d, [M, N, K] = [%zd, %zd, %zd] "
-                     "or num_threads %d out of range", qtype, M, N, K, num_threads);
+    if (!f || M < 0 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1 || ldo < N) {
+        PyErr_Format(PyExc_ValueError, "quant_linear: qtype code %d, [M, N, K] = [%zd, %zd, %zd], "
+                     "num_threads %d or ldo %zd out of range", qtype, M, N, K, num_threads, ldo);
         return NULL;
     }
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS;
     if (M > 0 && N > 0)
-        rc = nanoserve_quant_matmul((float *)(uintptr_t)out, (const float *)(uintptr_t)x,
+        rc = nanoserve_quant_matmul((float *)(uintptr_t)out, ldo, (const float *)(uintptr_t)x,
                                     (const void *)(uintptr_t)w, M, N, K, qtype, num_threads);
     Py_END_ALLOW_THREADS;
     if (rc < 0) return PyErr_NoMemory();

@@ -53,12 +53,13 @@ typedef struct {
 } ns_xq;
 
 /* One matmul for the kernels: out [M, N] float32 = x W^T with W [N, K] in blocks, row_bytes a
- * row. */
+ * row; row m of out starts at out + m ldo (ldo >= N: a matrix of several parts in different
+ * formats writes each part's columns of one output). */
 typedef struct {
     float *out;
     const char *w;
     const ns_xq *x;
-    Py_ssize_t M, N, K;
+    Py_ssize_t M, N, K, ldo;
     size_t row_bytes;
     const float *xf; /* x itself [M, K], for a format whose activations stay float (float_x) */
 } ns_qmm;

@@ -76,7 +76,7 @@ static ALWAYS_INLINE void f16_dots_portable(const ns_qmm *a, Py_ssize_t r0, cons
             lane[k % QK] += x[k] * (bf16 ? ns_bf16_to_f32(h[k]) : ns_f16_to_f32(h[k]));
         for (int width = QK / 2; width > 0; width /= 2)
             for (int l = 0; l < width; l++) lane[l] += lane[l + width];
-        a->out[(r0 + m) * a->N + n] = lane[0];
+        a->out[(r0 + m) * a->ldo + n] = lane[0];
     }
 }
 
@@ -122,7 +122,7 @@ AVX2_INLINE void f16_dots_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_
     }
 #pragma GCC unroll 4
     for (int m = 0; m < mr; m++)
-        a->out[(r0 + m) * a->N + n] = sum_lanes_avx2(_mm256_add_ps(acc[m][0], acc[m][1]));
+        a->out[(r0 + m) * a->ldo + n] = sum_lanes_avx2(_mm256_add_ps(acc[m][0], acc[m][1]));
 }
 
 AVX2_KERNEL void f16_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
@@ -162,7 +162,7 @@ AVX512_INLINE void f16_dots_avx512(const ns_qmm *a, Py_ssize_t r0, const int mr,
         const __m512 v = _mm512_add_ps(acc[m][0], acc[m][1]);
         const __m256 top = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
         const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), top);
-        a->out[(r0 + m) * a->N + n] = sum_lanes_avx2(h);
+        a->out[(r0 + m) * a->ldo + n] = sum_lanes_avx2(h);
     }
 }
 

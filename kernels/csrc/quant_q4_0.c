@@ -67,7 +67,7 @@ static void q4_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
             float acc = 0.0f;
             for (Py_ssize_t b = 0; b < nb; b++)
                 acc += (float)q4_0_dot(row + b, x + b * QK) * (ns_f16_to_f32(row[b].d) * dx[b]);
-            a->out[m * a->N + n] = acc;
+            a->out[m * a->ldo + n] = acc;
         }
     }
 }

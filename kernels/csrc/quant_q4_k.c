@@ -61,7 +61,7 @@ static void q4_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
                 acc += (float)q4_k_dot(blk, j, x + b * QK) * (d * dx[b]);
                 acc += neg_m * sx[b];
             }
-            a->out[m * a->N + n] = acc;
+            a->out[m * a->ldo + n] = acc;
         }
     }
 }

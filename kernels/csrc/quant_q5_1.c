@@ -70,7 +70,7 @@ static void q5_1_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
                 acc += (float)q5_1_dot(row + b, x + b * QK) * (ns_f16_to_f32(row[b].d) * dx[b]);
                 acc += ns_f16_to_f32(row[b].m) * sx[b];
             }
-            a->out[m * a->N + n] = acc;
+            a->out[m * a->ldo + n] = acc;
         }
     }
 }

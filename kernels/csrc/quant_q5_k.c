@@ -52,7 +52,7 @@ static void q5_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
                 acc += (float)dot * (d * dx[b]);
                 acc += neg_m * sx[b];
             }
-            a->out[m * a->N + n] = acc;
+            a->out[m * a->ldo + n] = acc;
         }
     }
 }

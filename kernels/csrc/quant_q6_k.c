@@ -72,7 +72,7 @@ static void q6_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
                     acc += (float)dot * ((d * (float)blk->scales[2 * t + half]) * dx[b]);
                 }
             }
-            a->out[m * a->N + n] = acc;
+            a->out[m * a->ldo + n] = acc;
         }
     }
 }

@@ -226,7 +226,7 @@ AVX2_INLINE void strip_tile_avx2(const ns_qmm *a, const strip8 *panel, Py_ssize_
     }
     for (int c = 0; c < nr; c++)
         for (int r = 0; r < mr; r++)
-            store_cols_avx2(a->out + (r0 + r) * a->N + c0 + 8 * c, c == nr - 1 ? last : 8,
+            store_cols_avx2(a->out + (r0 + r) * a->ldo + c0 + 8 * c, c == nr - 1 ? last : 8,
                             acc[r][c]);
 }
 

@@ -257,7 +257,7 @@ AVX512_INLINE void strip_tile_avx512(const ns_qmm *a, const strip16 *panel, Py_s
     }
     for (int c = 0; c < nr; c++)
         for (int r = 0; r < mr; r++)
-            store_cols_avx512(a->out + (r0 + r) * a->N + c0 + 16 * c, c == nr - 1 ? last : 16,
+            store_cols_avx512(a->out + (r0 + r) * a->ldo + c0 + 16 * c, c == nr - 1 ? last : 16,
                               acc[r][c]);
 }
 

@@ -22,7 +22,7 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.inputs import Chunk, PromptScoring, StepInputs, pack
 from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv
 from nanoserve.engine.sampling import Logprob, token_logprobs
-from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedWeight
+from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS
 from nanoserve.model import hugepages
 from nanoserve.model.checkpoint import Checkpoint
 from nanoserve.model.cpu_step import CpuDecodeStep, not_in_c
@@ -30,7 +30,7 @@ from nanoserve.model.linear import onednn_packs
 from nanoserve.model.llama import KVCaches, Llama
 from nanoserve.model.loader import LlamaWeights, load_weights
 from nanoserve.model.parallel import SINGLE, Parallel
-from nanoserve.model.quantized import formats, quantize_matrices
+from nanoserve.model.quantized import Blocks, formats, quantize_matrices
 from nanoserve.model.weights import matrices
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class ModelRunner:
             return None
         ms = [m for layer in self.model.weights.layers for m in matrices(layer)]
         ms.append(self.model.weights.lm_head)
-        if all(isinstance(m.weight, QuantizedWeight) for m in ms):
+        if all(isinstance(m.weight, Blocks) for m in ms):
             return None
         return SMALL_LINEAR_MAX_ROWS
 

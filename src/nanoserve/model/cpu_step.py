@@ -17,9 +17,10 @@ import math
 
 import torch
 
-from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedWeight, c_backend
+from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedParts, QuantizedWeight, c_backend
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.quantized import Blocks
 from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -34,7 +35,7 @@ class CpuDecodeStep:
         # Per layer, each weight by its name (a field of the C step's struct layer_weights).
         self.weights = [{name: _stored(getattr(x, name)) for name, _ in LAYER} for x in layers]
         # The quantized matmul takes any number of rows; the float GEMV up to 4.
-        blocks = all(isinstance(m.weight, QuantizedWeight) for x in layers for m in matrices(x))
+        blocks = all(isinstance(m.weight, Blocks) for x in layers for m in matrices(x))
         self.max_rows = c_backend.STEP_ROWS if blocks else SMALL_LINEAR_MAX_ROWS
         self.windows = (
             torch.tensor(config.layer_windows, dtype=torch.int64) if config.layer_windows else None
@@ -51,8 +52,8 @@ class CpuDecodeStep:
         if not_in_c(layers):
             return False
         ms = [m for layer in layers for m in matrices(layer)]
-        blocks = any(isinstance(m.weight, QuantizedWeight) for m in ms)
-        floats_ok = all(m.gemv or isinstance(m.weight, QuantizedWeight) for m in ms)
+        blocks = any(isinstance(m.weight, Blocks) for m in ms)
+        floats_ok = all(m.gemv or isinstance(m.weight, Blocks) for m in ms)
         dtype = layers[0].input_norm.dtype if layers else torch.float32
         return c_backend.enabled() and floats_ok and not (blocks and dtype != torch.float32)
 
@@ -133,15 +134,22 @@ class CpuDecodeStep:
         return self._table
 
 
-def _stored(w: torch.Tensor | Matrix | None) -> tuple[int, int]:
+def _stored(w: torch.Tensor | Matrix | None) -> object:
     """(data pointer, format) of a weight: format 0 for floats, else its GGML type id; (0, 0)
-    for an option the model does not have."""
+    for an option the model does not have. A matrix of parts in different formats: a list of
+    ((pointer, format), rows), a part each."""
     if w is None:
         return 0, 0
     t = w if isinstance(w, torch.Tensor) else w.weight
+    if isinstance(t, QuantizedParts):
+        return [(_in_blocks(p), p.shape[0]) for p in t.parts]
     if isinstance(t, QuantizedWeight):
-        return t.data.data_ptr(), c_backend.QTYPE_CODES[t.qtype]
+        return _in_blocks(t)
     return t.data_ptr(), 0
+
+
+def _in_blocks(w: QuantizedWeight) -> tuple[int, int]:
+    return w.data.data_ptr(), c_backend.QTYPE_CODES[w.qtype]
 
 
 def not_in_c(layers: list[LayerWeights]) -> str | None:

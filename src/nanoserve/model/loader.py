@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
 from nanoserve.model.parallel import SINGLE, Parallel, shard
-from nanoserve.model.quantized import QuantizedWeight, QuantLinear, Weight, cat_rows, placed
+from nanoserve.model.quantized import Blocks, QuantLinear, Weight, cat_rows, placed
 from nanoserve.model.weights import LAYER, MODEL, LayerWeights, LlamaWeights, listed, names
 
 Placement = Callable[[list[torch.Tensor]], list[torch.Tensor]]
@@ -199,6 +199,6 @@ def pack(tensors: list[Weight], config: ModelConfig) -> LlamaWeights:
 def _kept(kind: str, w: Weight) -> Any:
     """w as LlamaWeights and LayerWeights keep a tensor of `kind` (model/weights.py)."""
     if kind == "matrix":
-        return QuantLinear(w) if isinstance(w, QuantizedWeight) else Linear(w)
+        return QuantLinear(w) if isinstance(w, Blocks) else Linear(w)
     assert kind == "embedding" or isinstance(w, torch.Tensor), "vectors are never quantized"
     return w

@@ -1,19 +1,29 @@
 """Weights kept in llama.cpp's GGUF block formats on the CPU (the kernels' QUANT_TYPES): the
 matmul by such a matrix, the embedding lookup from one, row concatenation (for the fused q/k/v and
-gate/up), placement of their bytes, and quantizing a float checkpoint's matrices at load
-(`--quantization`). Activations stay float32. Owns nothing.
+gate/up: parts in different formats stay in their own, QuantizedParts), placement of their bytes,
+and quantizing a float checkpoint's matrices at load (`--quantization`). Activations stay float32.
+Owns nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import groupby
 from typing import TypeAlias
 
 import torch
 
-from nanoserve.kernels import QUANT_TYPES, QuantizedWeight, dequantize, quantize, quantized_linear
+from nanoserve.kernels import (
+    QUANT_TYPES,
+    QuantizedParts,
+    QuantizedWeight,
+    dequantize,
+    quantize,
+    quantized_linear,
+)
 
-Weight: TypeAlias = torch.Tensor | QuantizedWeight
+Blocks: TypeAlias = QuantizedWeight | QuantizedParts  # a matrix kept in GGUF blocks
+Weight: TypeAlias = torch.Tensor | Blocks
 
 
 class QuantLinear:
@@ -22,7 +32,7 @@ class QuantLinear:
     gemv = False  # not the float GEMV (the one-call decode step takes the blocks as they are)
     packed = None
 
-    def __init__(self, weight: QuantizedWeight) -> None:
+    def __init__(self, weight: Blocks) -> None:
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,19 +46,30 @@ def embed_rows(table: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
 
 def cat_rows(parts: Sequence[Weight]) -> Weight:
     """Matrices stacked by rows: the blocks' bytes when every part has the same block format;
-    otherwise the floats (a part in blocks de-quantized to the float parts' dtype)."""
-    if all(isinstance(p, QuantizedWeight) for p in parts):
-        qtypes = {p.qtype for p in parts}  # type: ignore[union-attr]
-        if len(qtypes) == 1:
-            data = torch.cat([p.data for p in parts])  # type: ignore[union-attr]
-            rows = sum(p.shape[0] for p in parts)
-            return QuantizedWeight(data, qtypes.pop(), (rows, parts[0].shape[1]))
+    each part in its own blocks (QuantizedParts) when they are in blocks of different formats;
+    otherwise the floats (a part in blocks de-quantized to the float parts' dtype: a file that
+    mixes floats and blocks in one fused matrix, which llama.cpp's quantizer does not write)."""
+    blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(blocks) == len(parts):
+        runs = [list(run) for _, run in groupby(blocks, key=lambda p: p.qtype)]
+        joined = tuple(_joined(run) for run in runs)  # neighbours of one format share a part
+        return joined[0] if len(joined) == 1 else QuantizedParts(joined)
     floats = [p for p in parts if isinstance(p, torch.Tensor)]
     dtype = floats[0].dtype if floats else torch.float32
     return torch.cat([as_float(p, dtype) for p in parts])
 
 
+def _joined(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Blocks of one format stacked by rows: their bytes."""
+    if len(parts) == 1:
+        return parts[0]
+    data = torch.cat([p.data for p in parts])
+    return QuantizedWeight(data, parts[0].qtype, (len(data), parts[0].shape[1]))
+
+
 def as_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, QuantizedParts):
+        return torch.cat([dequantize(p).to(dtype) for p in w.parts])
     return dequantize(w).to(dtype) if isinstance(w, QuantizedWeight) else w
 
 
@@ -56,13 +77,25 @@ def placed(
     weights: list[Weight], place: Callable[[list[torch.Tensor]], list[torch.Tensor]]
 ) -> list[Weight]:
     """`place` (copies of tensors, e.g. into huge pages) applied to floats and blocks alike."""
-    tensors = [w.data if isinstance(w, QuantizedWeight) else w for w in weights]
+    tensors = [t for w in weights for t in _tensors(w)]
     moved = iter(place(tensors))
     out: list[Weight] = []
     for w in weights:
-        t = next(moved)
-        out.append(QuantizedWeight(t, w.qtype, w.shape) if isinstance(w, QuantizedWeight) else t)
+        if isinstance(w, QuantizedParts):
+            out.append(QuantizedParts(tuple(_moved(p, next(moved)) for p in w.parts)))
+        else:
+            out.append(_moved(w, next(moved)) if isinstance(w, QuantizedWeight) else next(moved))
     return out
+
+
+def _tensors(w: Weight) -> list[torch.Tensor]:
+    if isinstance(w, QuantizedParts):
+        return [p.data for p in w.parts]
+    return [w.data if isinstance(w, QuantizedWeight) else w]
+
+
+def _moved(w: QuantizedWeight, data: torch.Tensor) -> QuantizedWeight:
+    return QuantizedWeight(data, w.qtype, w.shape)
 
 
 def quantize_matrices(raw: dict[str, torch.Tensor], qtype: str) -> dict[str, Weight]:
@@ -78,10 +111,12 @@ def quantize_matrices(raw: dict[str, torch.Tensor], qtype: str) -> dict[str, Wei
 
 
 def formats(weights: Sequence[Weight]) -> dict[str, int]:
-    """How many matrices are in each block format, and how many are float ("float")."""
+    """How many matrices are in each block format, and how many are float ("float"); a fused
+    matrix of parts in different formats counts each part."""
     counts: dict[str, int] = {}
     for w in weights:
-        key = w.qtype if isinstance(w, QuantizedWeight) else "float"
-        if isinstance(w, QuantizedWeight) or w.dim() == 2:
-            counts[key] = counts.get(key, 0) + 1
+        for m in w.parts if isinstance(w, QuantizedParts) else (w,):
+            key = m.qtype if isinstance(m, QuantizedWeight) else "float"
+            if isinstance(m, QuantizedWeight) or m.dim() == 2:
+                counts[key] = counts.get(key, 0) + 1
     return counts
