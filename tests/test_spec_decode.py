@@ -281,9 +281,13 @@ def test_tensor_parallel_greedy_equal(tiny_model_dir, off):
     ("value", "words"),
     [
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an"),
-        ({"method": "eagle"}, "speculative_config.method must be ngram, got 'eagle'"),
+        (
+            {"method": "eagle"},
+            "speculative_config.method must be ngram or draft_model, got 'eagle'",
+        ),
         ({"num_speculative_tokens": 2, "lookahead": 1}, "speculative_config.lookahead must be"),
-        ({"model": "/x/draft.gguf", "num_speculative_tokens": 2}, "draft-model method is not"),
+        ({"method": "ngram", "model": "/x/d.gguf"}, "speculative_config.model must be absent"),
+        ({"model": "/x/d.gguf", "prompt_lookup_max": 2}, "prompt_lookup_max must be absent"),
         ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<= prompt_lookup_max (2), got 4"),
         ('{"method": ', "must be a JSON object"),
         ([3], "must be a JSON object (a dict)"),

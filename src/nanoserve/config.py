@@ -114,20 +114,24 @@ DEVICE = Limit("cpu, cuda or cuda:N", lambda v: isinstance(v, str) and bool(_DEV
 BOOLEAN = Limit("True or False", lambda v: isinstance(v, bool))
 
 
-SPEC_METHODS = ("ngram",)  # the draft-model method ({"model": PATH}) is refused by name
+SPEC_METHODS = ("ngram", "draft_model")
+NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, in vLLM's `speculative_config` shape: `method` "ngram" (prompt
+    """Speculative decoding, in vLLM's `speculative_config` shape. `method` "ngram" (prompt
     lookup) proposes up to `num_speculative_tokens` tokens a step, those that followed the
     latest earlier occurrence of the sequence's last n tokens (n from `prompt_lookup_max` down to
-    `prompt_lookup_min`); the target model verifies them all in one step."""
+    `prompt_lookup_min`); "draft_model" (the method when `model` is given) has a smaller model,
+    a checkpoint directory or GGUF file with the target's tokenizer, propose them greedily. The
+    target model verifies them all in one step."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig:
@@ -144,21 +148,30 @@ class SpeculativeConfig:
             raise SettingError(name, value, "a JSON object (a dict)")
         keys = {f.name for f in fields(cls)}
         values = dict(value)
-        if "model" in values:
-            raise SettingError(
-                name + ".model", values["model"], "absent: the draft-model method is not "
-                'supported yet; use {"method": "ngram", ...}',
-            )  # fmt: skip
         unknown = sorted(set(values) - keys)
         if unknown:
             raise SettingError(
                 f"{name}.{unknown[0]}", values[unknown[0]], "absent: the known keys are "
                 + ", ".join(sorted(keys)),
             )  # fmt: skip
-        values.setdefault("method", "ngram")
+        values.setdefault("method", "draft_model" if "model" in values else "ngram")
         if values["method"] not in SPEC_METHODS:
-            raise SettingError(name + ".method", values["method"], "ngram")
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            raise SettingError(name + ".method", values["method"], " or ".join(SPEC_METHODS))
+        if values["method"] == "ngram" and "model" in values:
+            raise SettingError(
+                name + ".model", values["model"], 'absent with method "ngram" (a draft model '
+                'is method "draft_model")',
+            )  # fmt: skip
+        if values["method"] == "draft_model":
+            model = values.get("model")
+            if not isinstance(model, str) or not model:
+                raise SettingError(name + ".model", model, "a checkpoint directory or GGUF file")
+            for key in NGRAM_KEYS:
+                if key in values:
+                    raise SettingError(
+                        f"{name}.{key}", values[key], 'absent with method "draft_model"'
+                    )
+        for key in ("num_speculative_tokens", *NGRAM_KEYS):
             if key in values and not POSITIVE.test(values[key]):
                 raise SettingError(f"{name}.{key}", values[key], POSITIVE.rule)
         spec = cls(**values)
@@ -237,8 +250,8 @@ class EngineConfig:
     )  # fmt: skip
     speculative_config: SpeculativeConfig | None = setting(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
-        '"prompt_lookup_max": N, "prompt_lookup_min": M}; greedy output is the same as '
-        "without it", unset="off",
+        '"prompt_lookup_max": N, "prompt_lookup_min": M}, or a draft model: {"model": PATH, '
+        '"num_speculative_tokens": K}; the output is the same as without it', unset="off",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -246,6 +259,12 @@ class EngineConfig:
             spec = SpeculativeConfig.parse(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)
         check(self)
+        draft = self.speculative_config.model if self.speculative_config else None
+        if draft is not None and self.tensor_parallel_size > 1:
+            raise SettingError(
+                "speculative_config.model", draft, "absent with tensor_parallel_size > 1 "
+                f"(here {self.tensor_parallel_size}): a draft model runs in one process",
+            )  # fmt: skip
         if self.device == "cpu" and self.dtype == "float16":
             raise SettingError("dtype", self.dtype, "float32, bfloat16 or auto on the CPU")
 

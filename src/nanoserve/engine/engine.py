@@ -5,10 +5,11 @@ tokens, samples, detokenizes and checks stop conditions. Single-threaded and loc
 owns an Engine calls it from one place at a time (the offline loop, or the serving task); it owns
 the scheduler, the KV cache manager, every request and the executor (engine/executor.py), which
 runs the model on one rank or on every rank of a tensor-parallel group: one KV cache manager
-decides every rank's block tables. With speculative decoding (engine/spec_decode.py) a step
-may verify a decode's draft: every position is sampled as if its draft prefix had been accepted,
-and the samples are appended one by one, through the same checks, until one differs from the
-draft or the request finishes.
+decides every rank's block tables. With speculative decoding (engine/spec_decode.py; a draft
+model, engine/draft_model.py, runs as the scheduler plans, in the step) a step may verify a
+decode's draft: every position is sampled as if its draft prefix had been accepted, and the
+samples are appended one by one, through the same checks, until one differs from the draft or
+the request finishes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.draft_model import DraftModelProposer
 from nanoserve.engine.executor import start_executor
 from nanoserve.engine.kv_cache import cdiv
 from nanoserve.engine.kv_manager import KVCacheManager
@@ -28,7 +30,7 @@ from nanoserve.engine.model_runner import resolve_dtype
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
-from nanoserve.engine.scheduler import ScheduledRequest, Scheduler
+from nanoserve.engine.scheduler import Proposer, ScheduledRequest, Scheduler
 from nanoserve.engine.spec_decode import NgramProposer, SpecStats
 from nanoserve.engine.structured import GrammarCompiler, GrammarError, mask_logits
 from nanoserve.model.checkpoint import open_checkpoint
@@ -83,13 +85,20 @@ class Engine:
             self.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
         )
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.proposer: Proposer | None = None
+        if spec is not None and spec.model is not None:
+            self.proposer = DraftModelProposer(
+                spec.model, checkpoint, self.tokenizer, config, self.num_blocks,
+                self.max_model_len,
+            )  # fmt: skip
+        elif spec is not None:
+            self.proposer = NgramProposer(spec, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
-            propose=self.proposer.propose if self.proposer is not None else None,
+            proposer=self.proposer,
             max_decode_rows=self.runner.verify_rows,
         )
         self._spec = SpecStats()

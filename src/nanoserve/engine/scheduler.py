@@ -23,11 +23,24 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nanoserve.engine.kv_manager import ComputedBlocks, KVCacheManager
 from nanoserve.engine.request import Request, Status
+
+
+class Proposer(Protocol):
+    """Drafts for decoding requests (engine/spec_decode.py, engine/draft_model.py). `room`: the
+    most draft tokens the request may take; `propose(request, room)`: a draft of at most
+    `room` tokens. A proposer that `writes_cache` (a draft model's keys and values) proposes
+    after the scheduler reserved the request's slots for its token and `room` draft tokens,
+    into which alone it writes, and returns exactly `room` tokens."""
+
+    writes_cache: bool
+
+    def room(self, request: Request) -> int: ...
+    def propose(self, request: Request, room: int) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -113,7 +126,7 @@ class Scheduler:
     # steps of those others should not grow with the length of the prompt being scored.
     scoring_turn: int = 256
     # Speculative decoding: a draft for a decoding request (engine/spec_decode.py), or None.
-    propose: Callable[[Request], list[int]] | None = None
+    proposer: Proposer | None = None
     # The most decode rows (decodes and drafts) of a step with drafts: the rows whose results
     # do not depend on how many there are, within the one-call C step (model_runner's
     # `verify_rows`); None: any number.
@@ -167,14 +180,21 @@ class Scheduler:
     def _speculate(self, request: Request, plan: _Plan) -> bool:
         """Whether a decode was given its token and a draft: only where the draft's slots fit in
         the budget and the free blocks (a draft never preempts)."""
-        if self.propose is None:
+        proposer = self.proposer
+        if proposer is None:
             return False
-        room = min(plan.budget - 1, plan.draft_rows)
+        room = min(plan.budget - 1, plan.draft_rows, proposer.room(request))
         if room <= 0:
             return False
-        draft = self.propose(request)[:room]
-        if not draft or not self._allocate(request, 1 + len(draft)):
-            return False
+        if proposer.writes_cache:  # the draft model writes the slots it is given, and only them
+            if not self._allocate(request, 1 + room):
+                return False
+            draft = proposer.propose(request, room)
+            assert len(draft) == room, "a proposer that writes the cache fills its room"
+        else:
+            draft = proposer.propose(request, room)
+            if not draft or not self._allocate(request, 1 + len(draft)):
+                return False
         plan.add(request, 1 + len(draft))
         plan.drafts[request] = tuple(draft)
         plan.draft_rows -= len(draft)

@@ -30,23 +30,32 @@ class SpecStats:
 
 
 class NgramProposer:
+    writes_cache = False
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.k = config.num_speculative_tokens
         self.lookup = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
         self.max_model_len = max_model_len
 
-    def propose(self, request: Request) -> list[int]:
-        """A draft for a decoding request (empty: none). Never longer than what the request may
-        still generate after the token its last position yields. A constrained request (a
-        grammar) gets none: its matcher advances one sampled token at a time."""
-        if request.matcher is not None:
-            return []
-        room = min(
-            self.k,
-            request.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
-        return ngram_draft(request.token_ids, self.lookup, room) if room > 0 else []
+    def room(self, request: Request) -> int:
+        return draft_room(request, self.k, self.max_model_len)
+
+    def propose(self, request: Request, room: int) -> list[int]:
+        """A draft of at most `room` tokens for a decoding request (empty: none)."""
+        return ngram_draft(request.token_ids, self.lookup, room)
+
+
+def draft_room(request: Request, k: int, max_model_len: int) -> int:
+    """The most draft tokens a decoding request may take: `k`, and never more than it may still
+    generate after the token its last position yields. A constrained request (a grammar) gets
+    none: its matcher advances one sampled token at a time."""
+    if request.matcher is not None:
+        return 0
+    return min(
+        k,
+        request.max_tokens - request.num_output_tokens - 1,
+        max_model_len - request.num_tokens - 1,
+    )
 
 
 def ngram_draft(tokens: Sequence[int], lookup: range, k: int) -> list[int]:
