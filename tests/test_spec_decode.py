@@ -45,8 +45,10 @@ def _check_pool(llm):
 
 
 def _check_spec_counters(llm):
+    """Drafts were made; some n-gram drafts kept (the random draft model's: maybe none)."""
     s = llm.engine.stats().spec_decode
-    assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
+    ngram = llm.engine.config.speculative_config.method == "ngram"
+    assert s.num_drafts > 0 and int(ngram) <= s.num_accepted_tokens <= s.num_draft_tokens
     assert (
         s.num_draft_tokens
         <= s.num_drafts * llm.engine.config.speculative_config.num_speculative_tokens
@@ -58,9 +60,17 @@ def off(tiny_model_dir):
     return LLM(str(tiny_model_dir), **POOL)
 
 
-@pytest.fixture(scope="module")
-def on(tiny_model_dir):
-    return LLM(str(tiny_model_dir), speculative_config=NGRAM, **POOL)
+def _draft_config(factory) -> dict:
+    """A draft model: a smaller random model of the same tokenizer (most drafts rejected)."""
+    draft = factory(hidden_size=32, num_layers=1, intermediate_size=64, seed=1)
+    return {"model": str(draft), "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def on(request, tiny_model_dir, tiny_model_factory):
+    """Speculation by each method: every test on it holds for both."""
+    spec = NGRAM if request.param == "ngram" else _draft_config(tiny_model_factory)
+    return LLM(str(tiny_model_dir), speculative_config=spec, **POOL)
 
 
 def test_ngram_draft_follows_the_latest_earlier_occurrence_longest_first():
@@ -170,11 +180,13 @@ def test_stop_strings_max_tokens_min_tokens_and_logprobs_equal(off, on):
     assert len(b[0].outputs[0].token_ids) == 25
 
 
-def test_preemption_under_a_small_pool(tiny_model_dir, off):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_preemption_under_a_small_pool(tiny_model_dir, tiny_model_factory, off, method):
     prompts = _prompts(12, seed=11)
     expected = [_ids(off.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    spec = NGRAM if method == "ngram" else _draft_config(tiny_model_factory)
     with LLM(
-        str(tiny_model_dir), speculative_config=NGRAM, block_size=8, num_kv_blocks=24,
+        str(tiny_model_dir), speculative_config=spec, block_size=8, num_kv_blocks=24,
         max_num_batched_tokens=48,
     ) as small:  # fmt: skip
         assert _ids(small.generate(prompts, GREEDY, use_tqdm=False)) == expected

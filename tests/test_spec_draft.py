@@ -1,7 +1,12 @@
 """Speculative decoding by a draft model: the target drafting for itself (every greedy draft
-accepted: the draft's cache is right) and the same output as without speculation."""
+accepted: the draft's cache is right), the same output as without speculation, and the drafts
+that cannot propose the target's tokens refused by name. (Every test of test_spec_decode.py on
+its `on` fixture also runs with a smaller random draft model.)"""
+
+import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig, SettingError
 
 POOL = dict(block_size=8, num_kv_blocks=128)
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -19,3 +24,24 @@ def test_target_as_its_own_draft_accepts_every_greedy_draft(tiny_model_dir):
     assert s.num_drafts > 0 and s.num_accepted_tokens == s.num_draft_tokens
     on.engine.audit()
     assert on.engine.stats().free_blocks == on.engine.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("draft", "words"),
+    [
+        (dict(vocab_size=1100), "vocabulary of 1024 tokens (the draft's has 1100)"),
+        (dict(max_position_embeddings=64), "whose context (64 tokens) holds max_model_len"),
+    ],
+)
+def test_a_draft_that_cannot_propose_the_targets_tokens_is_refused(
+    tiny_model_dir, tiny_model_factory, draft, words
+):
+    spec = {"model": str(tiny_model_factory(num_layers=1, **draft))}
+    with pytest.raises(SettingError) as e:
+        LLM(str(tiny_model_dir), speculative_config=spec, **POOL)
+    assert "speculative_config.model" in str(e.value) and words in str(e.value)
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(SettingError, match="absent with tensor_parallel_size > 1"):
+        EngineConfig(speculative_config={"model": str(tiny_model_dir)}, tensor_parallel_size=2)
