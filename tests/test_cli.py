@@ -116,8 +116,8 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir, tmp_pa
             ["--speculative-config lookahead must be absent", "prompt_lookup_max"],
         ),
         (
-            ["--speculative-config", '{"model": "draft.gguf", "num_speculative_tokens": 3}'],
-            ["--speculative-config model must be absent: the draft-model method is not"],
+            ["--speculative-config", '{"model": "draft.gguf", "prompt_lookup_max": 3}'],
+            ['--speculative-config prompt_lookup_max must be absent with method "draft_model"'],
         ),
         (["--speculative-config", "ngram"], ["--speculative-config must be a JSON object"]),
     ],

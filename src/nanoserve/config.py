@@ -259,12 +259,6 @@ class EngineConfig:
             spec = SpeculativeConfig.parse(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)
         check(self)
-        draft = self.speculative_config.model if self.speculative_config else None
-        if draft is not None and self.tensor_parallel_size > 1:
-            raise SettingError(
-                "speculative_config.model", draft, "absent with tensor_parallel_size > 1 "
-                f"(here {self.tensor_parallel_size}): a draft model runs in one process",
-            )  # fmt: skip
         if self.device == "cpu" and self.dtype == "float16":
             raise SettingError("dtype", self.dtype, "float32, bfloat16 or auto on the CPU")
 

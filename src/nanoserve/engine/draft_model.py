@@ -80,11 +80,15 @@ class DraftModelProposer:
         speculative_config.model, a draft whose vocabulary, tokenizer or context differs."""
         spec = config.speculative_config
         assert spec is not None
-        checkpoint = open_checkpoint(path)
+        try:
+            checkpoint = open_checkpoint(path)
+        except FileNotFoundError as e:
+            raise SettingError("speculative_config.model", str(path), f"a model ({e})") from None
         _check_compatible(str(path), checkpoint, target, target_tokenizer, max_model_len)
+        # Under tensor parallelism the draft runs whole in rank 0's process, the engine's.
         draft_config = replace(
             config, speculative_config=None, num_kv_blocks=num_blocks,
-            max_model_len=max_model_len, cuda_graphs=False,
+            max_model_len=max_model_len, cuda_graphs=False, tensor_parallel_size=1,
         )  # fmt: skip
         self.runner = ModelRunner(checkpoint, draft_config)
         self.k = spec.num_speculative_tokens
