@@ -21,6 +21,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.default_model import NAME, default_model_path
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.gguf_file import GGUFCheckpoint
+from nanoserve.model.gguf_header import read_header
 from nanoserve.testing.gguf_writer import write_gguf
 from nanoserve.testing.harness import live_server
 
@@ -345,3 +346,25 @@ def test_prompt_logprobs_equal_transformers_on_smollm2(hf_model, ours):
         for i in range(1, len(ids))
     ]
     assert max(errors) < 1e-4, max(errors)
+
+
+def test_the_header_reads_as_ggufs_own_reader_and_refuses_a_cut_file(tmp_path):
+    """model/gguf_header.py against gguf.GGUFReader on the default model: every key's value (and
+    its type) and every tensor's name, type, shape, offset and size; a file cut inside its
+    header is refused."""
+    path = SMOLLM
+    meta, tensors = read_header(path)
+    reader = gguf.GGUFReader(path)
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert list(meta) == list(expected)
+    for key, value in expected.items():
+        assert meta[key] == value and type(meta[key]) is type(value), key
+    assert [(t.name, t.tensor_type, t.shape, t.data_offset, t.n_bytes) for t in tensors] == [
+        (t.name, t.tensor_type, tuple(int(d) for d in t.shape), int(t.data_offset),
+         int(t.n_bytes))
+        for t in reader.tensors
+    ]  # fmt: skip
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:100_000])
+    with pytest.raises(ValueError, match="ends early|past the end"):
+        read_header(cut)

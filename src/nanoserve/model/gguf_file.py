@@ -32,6 +32,7 @@ from nanoserve.gguf_tokenizer import UnsupportedTokenizer, tokenizer_from_gguf
 from nanoserve.kernels import QuantizedWeight, aligned_bytes, c_backend
 from nanoserve.kernels.quant import BLOCK_VALUES
 from nanoserve.model.config import ModelConfig, RopeConfig
+from nanoserve.model.gguf_header import TensorInfo, read_header
 from nanoserve.model.quantized import Weight
 from nanoserve.model.weights import LAYER, MODEL
 from nanoserve.tokenizer import Tokenizer
@@ -44,7 +45,7 @@ PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' 
 # Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
 # floats (F16, BF16) included.
 KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: the header read by model/gguf_header.py
 
 # GGUF tensor name -> Hugging Face name, from model/weights.py: a layer's after "blk.N." and
 # "model.layers.N.", the model's own whole.
@@ -194,15 +195,14 @@ def _cached_index(path: Path) -> dict[str, Any]:
 def _build_index(path: Path) -> dict[str, Any]:
     """Parse the file once: its metadata but the vocabulary arrays, the tensor table, and the
     tokenizer; refuse what nanoserve cannot serve."""
-    reader = _open(path)
-    meta = {name: _value(field) for name, field in reader.fields.items()}
+    meta, tensor_infos = _open(path)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{path.name}: architecture {arch!r} is not supported "
             f"(nanoserve serves {', '.join(ARCHITECTURES)})"
         )
-    tensors = {t.name: _tensor_info(path, t) for t in reader.tensors}
+    tensors = {t.name: _tensor_info(path, t) for t in tensor_infos}
     try:
         tok, config, template = tokenizer_from_gguf(meta)
     except UnsupportedTokenizer as e:
@@ -219,7 +219,7 @@ def _build_index(path: Path) -> dict[str, Any]:
     }
 
 
-def _tensor_info(path: Path, t: Any) -> dict[str, Any]:
+def _tensor_info(path: Path, t: TensorInfo) -> dict[str, Any]:
     if t.tensor_type not in DEQUANTIZED:
         supported = ", ".join(q.name for q in DEQUANTIZED)
         raise GGUFError(
@@ -235,18 +235,11 @@ def _tensor_info(path: Path, t: Any) -> dict[str, Any]:
             "bytes": int(t.n_bytes)}  # fmt: skip
 
 
-def _open(path: Path) -> gguf.GGUFReader:
+def _open(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:
+        return read_header(path)
+    except (ValueError, OSError) as e:
         raise GGUFError(f"{path.name} is truncated or is not a GGUF file ({e})") from None
-
-
-def _value(field: Any) -> Any:
-    try:
-        return field.contents()
-    except (ValueError, IndexError, KeyError):
-        return None
 
 
 def _hf_name(name: str) -> str:
