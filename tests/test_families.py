@@ -2,7 +2,8 @@
 (tied and untied) and Qwen3 (q/k norms, head_dim apart from hidden / heads) checkpoints written by
 transformers give its greedy ids (with prefix caching, preemption and chunked prefill, batch 1 in
 the one-call C step, at two ranks) and its prompt logprobs; linear and YaRN RoPE scaling do
-too, and GGUF files of each family (architectures llama, qwen2, qwen3, the qwen2 pre-tokenizer).
+too, and GGUF files of each family (architectures llama, qwen2, qwen3 and gemma3 as llama.cpp's
+own converter writes them, the qwen2 pre-tokenizer).
 Every config key, tensor, dtype and shape nanoserve does not implement is a one-line refusal
 naming it, from LLM(...) and from `nanoserve generate` (exit status 2)."""
 
@@ -379,7 +380,13 @@ def test_generate_refuses_in_one_line(family_dir, tmp_path, name):
 
 @pytest.mark.parametrize(
     "key,value",
-    [("expert_count", 4), ("attention.clamp_kqv", 8.0), ("attention.sliding_window", 16)],
+    [
+        ("expert_count", 4),
+        ("attention.clamp_kqv", 8.0),
+        ("attention.sliding_window", 16),
+        ("attention.logit_softcapping", 50.0),
+        ("attention.scale", 0.5),
+    ],  # fmt: skip
 )
 def test_gguf_metadata_not_implemented_is_refused_by_name(
     family_dir, tmp_path, monkeypatch, key, value
@@ -412,20 +419,37 @@ def converter():
 
 # Not qwen2: transformers 5 loads a qwen2 checkpoint's tokenizer as its Qwen2Tokenizer whatever
 # tokenizer_class says, and the converter does not recognize that one's splitting of SmolLM2's
-# vocabulary.
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_gguf_written_by_llama_cpp_equals_transformers(converter, tmp_path, family):
+# vocabulary. Gemma 3 as llama.cpp computes it: q.k scaled by head_dim ** -0.5 and every sixth
+# layer global (the converter writes neither query_pre_attn_scalar nor layer_types), its
+# sliding layers' own RoPE base; a window of 16, shorter than the long prompt.
+GEMMA_ROPES = {
+    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
+CONVERTED = {
+    "llama": ("llama", "llama", {}),
+    "qwen3": ("qwen3", "qwen3", dict(head_dim=32)),
+    "gemma3": ("gemma3_text", "gemma3", dict(
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=16, num_hidden_layers=6,
+        rope_parameters=GEMMA_ROPES, final_logit_softcapping=8.0,
+    )),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_a_gguf_written_by_llama_cpp_equals_transformers(converter, tmp_path, name):
     """llama.cpp's own convert_hf_to_gguf.py (its tensor names, its Q/K row order for a llama,
-    its metadata) on a random checkpoint with SmolLM2's tokenizer, which the converter knows
-    (pre-tokenizer "smollm"): text tokenized as transformers tokenizes it, greedy ids equal."""
+    Gemma's norms stored as 1 + w, its metadata) on a random checkpoint with SmolLM2's tokenizer,
+    which the converter knows (pre-tokenizer "smollm"): text tokenized as transformers tokenizes
+    it, greedy ids equal."""
     import transformers
 
     from nanoserve.default_model import default_model_path
     from nanoserve.testing.llamacpp_convert import convert
 
+    family, arch, extra = CONVERTED[name]
     tokenizer = GGUFCheckpoint(default_model_path()).tokenizer()
-    model_dir = tmp_path / family
-    extra = dict(head_dim=32) if family == "qwen3" else {}
+    model_dir = tmp_path / name
     write_family_checkpoint(model_dir, family, vocab_size=tokenizer.vocab_size, **extra)
     (model_dir / "tokenizer.json").write_text(tokenizer.backend_json())
     # The class named, or transformers picks the family's own (Qwen3: Qwen2Tokenizer).
@@ -434,10 +458,10 @@ def test_a_gguf_written_by_llama_cpp_equals_transformers(converter, tmp_path, fa
     (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
     (model_dir / "special_tokens_map.json").unlink(missing_ok=True)
     path = convert(model_dir, tmp_path / "m.gguf")
-    assert GGUFCheckpoint(path).config.family == family
+    assert GGUFCheckpoint(path).config.family == arch
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     llm = LLM(str(path))
-    texts = ["The capital of France is", "def fib(n):\n    return 12345"]
+    texts = ["The capital of France is", "def fib(n):\n    return 12345", CORPUS[:400]]
     prompts = [llm.engine.tokenizer.encode(t) for t in texts]
     assert prompts == [hf_tokenizer(t)["input_ids"] for t in texts]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

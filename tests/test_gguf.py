@@ -265,8 +265,8 @@ def _one_tensor_file(path: Path, architecture: str, qtype: gguf.GGMLQuantization
 
 def test_what_is_not_supported_is_refused_by_name(tiny_model_dir, tmp_path):
     cache = tmp_path / "cache"
-    other = _one_tensor_file(tmp_path / "gemma.gguf", "gemma3", gguf.GGMLQuantizationType.F32)
-    assert "architecture 'gemma3' is not supported" in _refusal(other, cache)
+    other = _one_tensor_file(tmp_path / "gemma.gguf", "gemma2", gguf.GGMLQuantizationType.F32)
+    assert "architecture 'gemma2' is not supported" in _refusal(other, cache)
     q2k = _one_tensor_file(tmp_path / "q2k.gguf", "llama", gguf.GGMLQuantizationType.Q2_K)
     line = _refusal(q2k, cache)
     assert "token_embd.weight is of type Q2_K, which is not supported" in line

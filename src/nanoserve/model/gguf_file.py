@@ -2,9 +2,9 @@
 reader): the model config from the metadata, the tokenizer it describes, and the tensors
 de-quantized into the engine's dtype under Hugging Face names, with the rows of the Q and K
 projections put back in Hugging Face's order (llama's; llama.cpp keeps qwen2's and qwen3's as they
-are). Architectures `llama`, `qwen2` and `qwen3` (the families of model/config.py; a bias is there
-where its tensor is, as llama.cpp loads them); any other architecture, tensor type or tokenizer is
-refused by name.
+are). Architectures `llama`, `qwen2`, `qwen3` and `gemma3` (the families of model/config.py; a bias
+is there where its tensor is, as llama.cpp loads them; Gemma 3 as llama.cpp reads its files); any
+other architecture, tensor type or tokenizer is refused by name.
 
 Parsing the metadata is the slow part of opening a file (1.9 s of SmolLM2-135M's 4.5 s load on
 the development machine: the reader makes a NumPy view per vocabulary entry), so what it yields
@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from nanoserve.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType
 DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
 # Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
 # floats (F16, BF16) included.
@@ -50,6 +51,9 @@ INDEX_VERSION = 2  # 2: the header read by model/gguf_header.py
 # GGUF tensor name -> Hugging Face name, from model/weights.py: a layer's after "blk.N." and
 # "model.layers.N.", the model's own whole.
 LAYER_NAMES = {g: h for _, t in LAYER for g, h in zip(t.gguf, t.hf, strict=True)}
+# Where a family names a tensor otherwise (Gemma 3's ffn_norm is its pre_feedforward_layernorm).
+GEMMA_NAMES = {**LAYER_NAMES, **{g: h for _, t in LAYER if t.renamed
+                                 for g, h in zip(t.gguf, t.renamed[1], strict=True)}}  # fmt: skip
 TOP_NAMES = {g: h for _, t in MODEL for g, h in zip(t.gguf, t.hf, strict=True)}
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -87,6 +91,7 @@ class GGUFCheckpoint:
         c, weights = self.config, {}
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         permuted = self.meta["general.architecture"] in PERMUTED
+        gemma = self.meta["general.architecture"] == "gemma3"
         kept: dict[str, int] = {}
         dequantized: dict[str, int] = {}
         for name, info in self.tensors.items():
@@ -100,12 +105,14 @@ class GGUFCheckpoint:
                 rows = raw.reshape(info["shape"][0], -1)
                 rows = _unpermute(rows, heads) if heads else rows
                 weight = QuantizedWeight(aligned_bytes(rows.copy()), qtype, tuple(info["shape"]))
-                weights[_hf_name(name)] = weight
+                weights[_hf_name(name, gemma)] = weight
                 kept[qtype] = kept.get(qtype, 0) + 1
                 continue
             values = _dequantize(data, info)
             values = _unpermute(values, heads) if heads else values
-            weights[_hf_name(name)] = torch.from_numpy(values).to(device=device, dtype=dtype)
+            # Gemma's (1 + w) norms stay float32 in a bfloat16 model, as transformers has them.
+            own = torch.float32 if gemma and name.endswith("norm.weight") else dtype
+            weights[_hf_name(name, gemma)] = torch.from_numpy(values).to(device=device, dtype=own)
             if len(info["shape"]) == 2:
                 dequantized[qtype] = dequantized.get(qtype, 0) + 1
         log.info(
@@ -124,7 +131,7 @@ class GGUFCheckpoint:
         self._check_refused(head_dim)
         eos = [self.meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         arch, has = self.meta["general.architecture"], self.tensors.__contains__
-        return ModelConfig(
+        config = ModelConfig(
             vocab_size=self._get("vocab_size") or self.index["tokenizer"]["vocab_size"],
             hidden_size=hidden,
             intermediate_size=self._get("feed_forward_length"),
@@ -143,6 +150,36 @@ class GGUFCheckpoint:
             mlp_bias=has("blk.0.ffn_down.bias"),
             qk_norm=arch == "qwen3",
         )
+        return self._gemma3(config) if arch == "gemma3" else config
+
+    def _gemma3(self, config: ModelConfig) -> ModelConfig:
+        """Gemma 3 as llama.cpp reads its file: the converter stored each norm as 1 + w (so a
+        plain RMSNorm), layer i slides over `attention.sliding_window` positions unless the file's
+        `attention.sliding_window_pattern` (an int, or a flag per layer; default 6) makes it
+        global, the sliding layers rotate with `rope.freq_base_swa` (default 1e4) and no scaling,
+        and q.k is scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B), which is
+        what llama.cpp computes whatever the checkpoint's query_pre_attn_scalar was."""
+        window = self._get("attention.sliding_window") or 0
+        pattern = self._get("attention.sliding_window_pattern", 6)
+        layers = range(config.num_layers)
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in layers]
+        windows = tuple(window if s else 0 for s in sliding) if window else ()
+        scalar = config.hidden_size // config.num_heads if config.num_layers == 62 else None
+        cap = self._get("final_logit_softcapping")
+        return replace(
+            config,
+            qk_norm=True,
+            embed_scale=True,
+            activation="gelu_pytorch_tanh",
+            sandwich_norms=True,
+            attn_scale=(scalar or config.head_dim) ** -0.5,
+            final_logit_softcapping=float(cap) if cap else None,
+            layer_windows=windows if any(windows) else (),
+            local_rope=RopeConfig(theta=float(self._get("rope.freq_base_swa", 10000.0))),
+        )
 
     def _check_refused(self, head_dim: int) -> None:
         """Refuse, naming the key, metadata that would make another model than the one run."""
@@ -151,9 +188,12 @@ class GGUFCheckpoint:
             "attention.value_length": (self._get("attention.value_length", head_dim), head_dim),
             "expert_count": (self._get("expert_count", 0), 0),
             "attention.clamp_kqv": (self._get("attention.clamp_kqv"), None),
-            # llama.cpp's converter writes none for these architectures, nor says how it applies
-            "attention.sliding_window": (self._get("attention.sliding_window"), None),
         }
+        if self.meta["general.architecture"] != "gemma3":
+            # llama.cpp's converter writes none for these architectures, nor says how it applies
+            changes["attention.sliding_window"] = (self._get("attention.sliding_window"), None)
+        for key in ("attention.logit_softcapping", "attention.scale"):  # Gemma 2's, Granite's
+            changes[key] = (self._get(key), None)
         for key, (value, implemented) in changes.items():
             if value != implemented:
                 raise GGUFError(
@@ -242,13 +282,13 @@ def _open(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
         raise GGUFError(f"{path.name} is truncated or is not a GGUF file ({e})") from None
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, gemma: bool = False) -> str:
     base, _, suffix = name.rpartition(".")
     if base in TOP_NAMES:
         return f"{TOP_NAMES[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{suffix}"
+    parts, layer = base.split("."), GEMMA_NAMES if gemma else LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{suffix}"
     raise GGUFError(f"tensor {name} is not part of a Llama model")
 
 
