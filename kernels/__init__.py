@@ -5,8 +5,8 @@ store_kv writes new tokens into it. backend="auto" picks Triton for CUDA tensors
 for CPU tensors; a C module that was not built is an error (BackendUnavailableError), never a
 silent fallback.
 small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory speed on the CPU;
-rms_norm, rope_ and silu_mul do Llama's RMSNorm, rotary embedding and SwiGLU activation in one C
-call each on the CPU.
+rms_norm, rope_ and gated_mul do RMSNorm, rotary embedding and the gated MLP's activation (SwiGLU
+or GELU-tanh) in one C call each on the CPU.
 quantized_linear multiplies by a matrix kept in one of llama.cpp's GGUF block formats (QUANT_TYPES,
 the C module's table of formats; see kernels/quant.py) on the CPU's best instruction set
 (cpu_isa()), its input rounded to int16 (ACTIVATIONS).
@@ -21,7 +21,7 @@ from .api import (
     paged_attention_decode,
     rms_norm,
     rope_,
-    silu_mul,
+    gated_mul,
     small_linear,
     store_kv,
 )
@@ -55,7 +55,7 @@ __all__ = [
     "quantized_linear",
     "rms_norm",
     "rope_",
-    "silu_mul",
+    "gated_mul",
     "small_linear",
     "store_kv",
 ]

@@ -148,13 +148,14 @@ def rope_(
     )
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
-    _C.silu_mul(
+def gated_mul(gate_up: torch.Tensor, out: torch.Tensor, gelu: bool) -> None:
+    _C.gated(
         act=out.data_ptr(),
         gate_up=gate_up.data_ptr(),
         rows=gate_up.shape[0],
         inter=out.shape[1],
         dtype_code=DTYPE_CODES[gate_up.dtype],
+        gelu=gelu,
         num_threads=torch.get_num_threads(),
     )
 

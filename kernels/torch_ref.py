@@ -68,9 +68,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     torch.mul(weight, x32.to(x.dtype), out=out)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+def gated_mul(gate_up: torch.Tensor, out: torch.Tensor, gelu: bool) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.mul(torch.nn.functional.silu(gate), up, out=out)
+    f = torch.nn.functional.gelu(gate, approximate="tanh") if gelu else torch.nn.functional.silu(gate)
+    torch.mul(f, up, out=out)
 
 
 def rope_(

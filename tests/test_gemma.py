@@ -260,3 +260,15 @@ def test_an_embedding_quantized_at_load_is_scaled_too(gemma_dir):
     blocks = LLM(str(model_dir), quantization="q8_0").engine.runner.model
     assert type(blocks.weights.embed).__name__ == "QuantizedWeight"
     torch.testing.assert_close(blocks.embed(ids), floats, atol=0.05, rtol=0.05)
+
+
+def test_a_rows_logits_are_the_same_bits_in_either_decode_path(gemma_dir):
+    """GELU-tanh is one C kernel for the one-call C step (up to 16 rows in GGUF blocks) and the
+    layer-by-layer path (past them): verifying 17 positions in one step gives each the bits of
+    its own one-row decode step."""
+    from test_spec_decode import _verification_matches_decodes
+
+    llm = LLM(str(gemma_dir("gemma3")), block_size=4, num_kv_blocks=24, quantization="q8_0")
+    assert llm.engine.runner.cpu_step is not None
+    for rows in (4, 17):
+        _verification_matches_decodes(llm, rows)

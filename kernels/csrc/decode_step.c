@@ -168,19 +168,6 @@ static void norm_heads(const step_args *s, void *qkv, const layer_weights *w) {
     }
 }
 
-/* act[r, i] = gelu(gate[r, i]) * up[r, i] of gate_up rows [gate | up], rounded like torch's
- * F.gelu(gate, approximate="tanh") * up (SwiGLU's silu is nanoserve_silu_mul_rows). */
-static void gelu_mul(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter, int dtype) {
-    const float beta = 0.7978845608028654f; /* sqrt(2 / pi) */
-    for (Py_ssize_t r = 0; r < rows; r++)
-        for (Py_ssize_t i = 0; i < inter; i++) {
-            const float g = ns_load(gate_up, r * 2 * inter + i, dtype);
-            const float up = ns_load(gate_up, r * 2 * inter + inter + i, dtype);
-            const float a = 0.5f * g * (1.0f + tanhf(beta * (g + 0.044715f * g * g * g)));
-            ns_store(act, r * inter + i, ns_round(a, dtype) * up, dtype);
-        }
-}
-
 /* RMSNorm, in place, of rows of x by norm; nothing where the model has no such norm. */
 static void norm_out(const step_args *s, void *x, const step_tensor *norm) {
     if (!norm->data) return;
@@ -251,17 +238,14 @@ static int attention_half(const step_args *s, const step_scratch *b, const layer
     return rc;
 }
 
-/* The MLP half of layer w: h += down(silu(gate) * up) of gate_up(post_norm(h)). */
+/* The MLP half of layer w: h += down(f(gate) * up) of gate_up(post_norm(h)), f silu or GELU-tanh. */
 static int mlp_half(const step_args *s, const step_scratch *b, const layer_weights *w) {
     const Py_ssize_t M = s->rows, H = s->hidden, I = s->intermediate;
     int rc = 0;
     nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
     rc |= matmul(s, &w->gate_up, b->gate_up, b->x, 2 * I, H);
     add_bias(b->gate_up, &w->gate_up_bias, M, 2 * I, s->dtype);
-    if (s->gelu)
-        gelu_mul(b->act, b->gate_up, M, I, s->dtype);
-    else
-        nanoserve_silu_mul_rows(b->act, b->gate_up, M, I, s->dtype, s->threads);
+    nanoserve_gated_rows(b->act, b->gate_up, M, I, s->dtype, s->gelu, s->threads);
     rc |= matmul(s, &w->down, b->o, b->act, H, I);
     add_bias(b->o, &w->down_bias, M, H, s->dtype);
     norm_out(s, b->o, &w->mlp_out_norm);

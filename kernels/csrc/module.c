@@ -32,9 +32,9 @@ static PyMethodDef methods[] = {
     {"rope", KW_FUNCTION(nanoserve_py_rope), METH_VARARGS | METH_KEYWORDS,
      "rope(qk, positions, cos, sin, rows, heads, head_dim, row_stride, table_rows, dtype_code, "
      "num_threads): rotary embedding in place; positions int64."},
-    {"silu_mul", KW_FUNCTION(nanoserve_py_silu_mul), METH_VARARGS | METH_KEYWORDS,
-     "silu_mul(act, gate_up, rows, inter, dtype_code, num_threads): act = silu(gate) * up of "
-     "rows [gate | up]."},
+    {"gated", KW_FUNCTION(nanoserve_py_gated), METH_VARARGS | METH_KEYWORDS,
+     "gated(act, gate_up, rows, inter, dtype_code, gelu, num_threads): act = f(gate) * up of "
+     "rows [gate | up], f silu or (gelu) GELU-tanh."},
     {"decode_layers", KW_FUNCTION(nanoserve_py_decode_layers), METH_VARARGS | METH_KEYWORDS,
      "decode_layers(h, layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "

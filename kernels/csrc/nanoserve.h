@@ -186,8 +186,8 @@ void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t
 void nanoserve_rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,
                          Py_ssize_t rows, Py_ssize_t heads, Py_ssize_t head_dim,
                          Py_ssize_t row_stride, int dtype, int num_threads);
-void nanoserve_silu_mul_rows(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
-                             int dtype, int num_threads);
+void nanoserve_gated_rows(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
+                          int dtype, int gelu, int num_threads);
 
 /* The Python entry points, (self, args, kwargs), listed in module.c's method table. */
 PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, PyObject *kwargs);
@@ -195,7 +195,7 @@ PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs
 PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rope(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *nanoserve_py_silu_mul(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_gated(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_layer_table(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_check_tables(PyObject *self, PyObject *args, PyObject *kwargs);

@@ -1,4 +1,4 @@
-/* RMSNorm, in-place rotary embedding and SwiGLU's silu(gate) * up for the CPU forward pass,
+/* RMSNorm, in-place rotary embedding and the gated MLP's f(gate) * up for the CPU forward pass,
  * float32 or bfloat16 tensors.
  *
  * In torch each is six or more small ops (pow, mean, rsqrt, mul, ...; slice, neg, cat, mul, add),
@@ -84,28 +84,31 @@ void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t
         rms_norm_rows(out, x, w, rows, hidden, eps, NS_F32, num_threads);
 }
 
-/* act[r, i] = silu(gate[r, i]) * up[r, i] of gate_up rows [gate | up], rounded like torch's
- * F.silu(gate) * up but with libm's expf, not torch's vectorised exp (they differ in the last
- * bit for some inputs): the one-call decode step and the layer-by-layer path both come here, so
- * a row's result does not depend on which path its step took. */
-static ALWAYS_INLINE void silu_mul_rows(void *act, const void *gate_up, Py_ssize_t rows,
-                                        Py_ssize_t inter, int dtype, int threads) {
+/* act[r, i] = f(gate[r, i]) * up[r, i] of gate_up rows [gate | up], f SwiGLU's silu or Gemma's
+ * GELU-tanh, rounded like torch's F.silu(gate) * up or F.gelu(gate, approximate="tanh") * up but
+ * with libm's expf and tanhf, not torch's vectorised ones (they differ in the last bit for some
+ * inputs): the one-call decode step and the layer-by-layer path both come here, so a row's result
+ * does not depend on which path its step took. */
+static ALWAYS_INLINE void gated_rows(void *act, const void *gate_up, Py_ssize_t rows,
+                                     Py_ssize_t inter, int dtype, int gelu, int threads) {
+    const float beta = 0.7978845608028654f; /* sqrt(2 / pi) */
 #pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
     for (Py_ssize_t r = 0; r < rows; r++)
         for (Py_ssize_t i = 0; i < inter; i++) {
             const float g = ns_load(gate_up, r * 2 * inter + i, dtype);
             const float up = ns_load(gate_up, r * 2 * inter + inter + i, dtype);
-            const float silu = ns_round(g / (1.0f + expf(-g)), dtype);
-            ns_store(act, r * inter + i, silu * up, dtype);
+            const float f = gelu ? 0.5f * g * (1.0f + tanhf(beta * (g + 0.044715f * g * g * g)))
+                                 : g / (1.0f + expf(-g));
+            ns_store(act, r * inter + i, ns_round(f, dtype) * up, dtype);
         }
 }
 
-void nanoserve_silu_mul_rows(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
-                             int dtype, int num_threads) {
+void nanoserve_gated_rows(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
+                          int dtype, int gelu, int num_threads) {
     if (dtype == NS_BF16)
-        silu_mul_rows(act, gate_up, rows, inter, NS_BF16, num_threads);
+        gated_rows(act, gate_up, rows, inter, NS_BF16, gelu, num_threads);
     else
-        silu_mul_rows(act, gate_up, rows, inter, NS_F32, num_threads);
+        gated_rows(act, gate_up, rows, inter, NS_F32, gelu, num_threads);
 }
 
 void nanoserve_rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,
@@ -158,18 +161,19 @@ PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs
     Py_RETURN_NONE;
 }
 
-PyObject *nanoserve_py_silu_mul(PyObject *self, PyObject *args, PyObject *kwargs) {
+PyObject *nanoserve_py_gated(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    static char *kwlist[] = {"act", "gate_up", "rows", "inter", "dtype_code", "num_threads", NULL};
+    static char *kwlist[] = {"act", "gate_up", "rows", "inter", "dtype_code", "gelu", "num_threads",
+                             NULL};
     unsigned long long act, gate_up;
     Py_ssize_t rows, inter;
-    int dtype, threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKnnii", kwlist, &act, &gate_up, &rows, &inter,
-                                     &dtype, &threads))
+    int dtype, gelu, threads;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKnnipi", kwlist, &act, &gate_up, &rows,
+                                     &inter, &dtype, &gelu, &threads))
         return NULL;
     Py_BEGIN_ALLOW_THREADS;
-    nanoserve_silu_mul_rows((void *)(uintptr_t)act, (const void *)(uintptr_t)gate_up, rows, inter,
-                            dtype, threads);
+    nanoserve_gated_rows((void *)(uintptr_t)act, (const void *)(uintptr_t)gate_up, rows, inter,
+                         dtype, gelu, threads);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }

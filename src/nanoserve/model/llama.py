@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from nanoserve.kernels import rms_norm, rope_, silu_mul
+from nanoserve.kernels import gated_mul, rms_norm, rope_
 from nanoserve.model.attention import AttentionMetadata, attention
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.loader import LlamaWeights
@@ -74,7 +73,6 @@ class Llama:
         c, heads, kv_heads, reduce = self.config, self.num_heads, self.num_kv_heads, self.parallel
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         eps = c.rms_norm_eps
-        act = F.gelu if c.activation == "gelu_pytorch_tanh" else None
         layers = zip(self.weights.layers, kv_caches, self.per_layer, strict=True)
         for layer, (k_cache, v_cache), (window, cos, sin) in layers:
             qkv = _biased(layer.qkv(_rms(h, layer.input_norm, eps)), layer.qkv_bias)
@@ -92,11 +90,7 @@ class Llama:
             o = _biased(reduce.all_reduce(layer.o(a.view(-1, q_size))), layer.o_bias)
             h = h + _normed(o, layer.attn_out_norm, eps)
             gate_up = _biased(layer.gate_up(_rms(h, layer.post_norm, eps)), layer.gate_up_bias)
-            if act is None:
-                gated = silu_mul(gate_up)  # the one-call C step's bits on a CPU
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                gated = act(gate, approximate="tanh") * up
+            gated = gated_mul(gate_up, c.activation)  # the one-call C step's bits on a CPU
             down = _biased(reduce.all_reduce(layer.down(gated)), layer.down_bias)
             h = h + _normed(down, layer.mlp_out_norm, eps)
         return h
