@@ -18,10 +18,10 @@ from .api import (
     SMALL_LINEAR_MAX_ROWS,
     BackendUnavailableError,
     available_backends,
+    gated_mul,
     paged_attention_decode,
     rms_norm,
     rope_,
-    gated_mul,
     small_linear,
     store_kv,
 )

@@ -165,12 +165,12 @@ def rope_(
     return qk
 
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of a gated MLP: SwiGLU's, Gemma's GELU-tanh
+GATED = ("silu", "gelu_pytorch_tanh")  # activations of a gated MLP: SwiGLU's, Gemma's GELU-tanh
 
 
 def gated_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """f(gate) * up of gate_up [rows, 2 * inter] = [gate | up], as [rows, inter]; f is silu
-    (SwiGLU) or GELU with the tanh approximation (Gemma), as named in ACTIVATIONS.
+    (SwiGLU) or GELU with the tanh approximation (Gemma), as named in GATED.
 
     CPU float32 and bfloat16 go to the C kernel, which the one-call C decode step uses too, so
     that a row's result is the same bits whichever path its step takes (torch's vectorised exp
@@ -179,8 +179,8 @@ def gated_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     _check_tensor("gate_up", gate_up, "[rows, 2 * inter]")
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must have an even width, got {gate_up.shape[1]}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation not in GATED:
+        raise ValueError(f"activation must be one of {GATED}, got {activation!r}")
     out = torch.empty(
         (gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device
     )
