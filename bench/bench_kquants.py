@@ -31,29 +31,11 @@ from bench.machine import cpu_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.default_model import default_model_path
 from nanoserve.kernels import QuantizedParts, QuantizedWeight
-from nanoserve.testing.llamacpp_convert import convert
+from nanoserve.testing.hf_families import smollm2_checkpoint
+from nanoserve.testing.llamacpp_convert import convert, quantize
 
 RESULTS = Path(__file__).parent / "results"
 QUANTS = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M")
-FTYPES = {"Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
-
-
-def smollm2_checkpoint(out: Path) -> Path:
-    """SmolLM2-135M as a Hugging Face float32 checkpoint, from the default model's GGUF."""
-    gguf_path = default_model_path()
-    kw = {"gguf_file": gguf_path.name}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, dtype=torch.float32, **kw
-    )
-    # transformers will not save a model it read from a GGUF: the same weights in a plain one.
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = transformers.LlamaForCausalLM(config)
-    plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw).save_pretrained(out)
-    return out
 
 
 def llama1b_checkpoint(out: Path, layers: int) -> Path:
@@ -77,21 +59,9 @@ def llama1b_checkpoint(out: Path, layers: int) -> Path:
 
 def make_files(model_dir: Path, out: Path, quants: list[str]) -> dict[str, Path]:
     """The model as llama.cpp writes it: F16 by its converter, the rest by its quantizer."""
-    import llama_cpp as lc
-
     f16 = convert(model_dir, out / "F16.gguf", "f16")
-    files = {"F16": f16}
-    for q in quants:
-        if q == "F16":
-            continue
-        params = lc.llama_model_quantize_default_params()
-        params.ftype = FTYPES[q]
-        params.nthread = torch.get_num_threads()
-        target = out / f"{q}.gguf"
-        if lc.llama_model_quantize(str(f16).encode(), str(target).encode(), params) != 0:
-            raise RuntimeError(f"llama_model_quantize to {q} failed")
-        files[q] = target
-    return {q: files[q] for q in quants}
+    threads = torch.get_num_threads()
+    return {q: f16 if q == "F16" else quantize(f16, out / f"{q}.gguf", q, threads) for q in quants}
 
 
 def file_formats(path: Path) -> tuple[int, dict[str, int]]:

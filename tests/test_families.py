@@ -467,3 +467,76 @@ def test_a_gguf_written_by_llama_cpp_equals_transformers(converter, tmp_path, na
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == _reference(model_dir, prompts)
+
+
+@pytest.fixture(scope="module")
+def quantizer():
+    from nanoserve.testing.llamacpp_convert import quantizer_available
+
+    if not quantizer_available():
+        pytest.skip("llama.cpp's quantizer (llama-cpp-python) is not installed")
+
+
+@pytest.fixture(scope="module")
+def converted_f32(converter, tmp_path_factory):
+    """Each family's random checkpoint at K-quant sizes (every row a multiple of 256) as
+    llama.cpp's converter writes it in F32, once per family."""
+    from nanoserve.default_model import default_model_path
+    from nanoserve.testing.llamacpp_convert import convert
+
+    vocab = GGUFCheckpoint(default_model_path()).tokenizer()
+    files = {}
+
+    def make(name):
+        if name not in files:
+            family, _, extra = CONVERTED[name]
+            model_dir = tmp_path_factory.mktemp(name)
+            sizes = dict(hidden_size=256, intermediate_size=512, head_dim=64,
+                         query_pre_attn_scalar=64, tie_word_embeddings=True)  # fmt: skip
+            if family != "gemma3_text":
+                del sizes["query_pre_attn_scalar"]
+            write_family_checkpoint(
+                model_dir, family, vocab_size=vocab.vocab_size, **{**extra, **sizes}
+            )
+            (model_dir / "tokenizer.json").write_text(vocab.backend_json())
+            special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                       "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+            (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
+            files[name] = convert(model_dir, model_dir / "f32.gguf")
+        return files[name]
+
+    return make
+
+
+# What llama.cpp's quantizer makes of matrices whose rows are whole super-blocks.
+QUANT_FORMATS = {"Q4_K_M": {"q4_k", "q6_k"}, "Q5_K_M": {"q5_k", "q6_k"}, "Q6_K": {"q6_k"}}
+
+
+@pytest.mark.parametrize("quant", QUANT_FORMATS)
+@pytest.mark.parametrize("name", CONVERTED)
+def test_a_gguf_quantized_by_llama_cpp_keeps_its_blocks(
+    converted_f32, quantizer, tmp_path, caplog, name, quant
+):
+    """llama.cpp's own quantizer on its converter's F32 file: every matrix stays in the format
+    llama.cpp chose (none de-quantized), and greedy ids through the blocks (int16 activations,
+    the one-call C step) equal the same file de-quantized to float32, which is transformers'
+    computation (the test above, for the F32 file; gguf's de-quantizers, test_gguf.py)."""
+    import logging
+
+    from nanoserve.testing.llamacpp_convert import quantize
+
+    path = quantize(converted_f32(name), tmp_path / f"{quant}.gguf", quant)
+    assert GGUFCheckpoint(path).block_formats() == sorted(QUANT_FORMATS[quant])
+    prompts = [list(range(100 + 9 * i, 140 + 9 * i)) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def greedy(**kw):
+        llm = LLM(str(path), dtype="float32", **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return llm, [list(o.outputs[0].token_ids) for o in outs]
+
+    with caplog.at_level(logging.INFO):
+        llm, kept = greedy()
+    assert "; de-quantized to torch.float32: none" in caplog.text
+    assert llm.engine.runner.cpu_step is not None
+    assert kept == greedy(quantization="none")[1]

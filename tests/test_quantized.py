@@ -94,10 +94,11 @@ def _real_text_ids(tokenizer, count: int) -> list[int]:
     return ids[:count]
 
 
-def test_smollm2_blocks_agree_with_the_dequantized_model_on_real_text(capsys):
-    """Teacher-forced: at each of 2,000 positions of this repository's own prose, the most
-    likely next token with the Q4_1 blocks against the de-quantized float32 model."""
-    blocks, floats = LLM(str(SMOLLM)), LLM(str(SMOLLM), quantization="none")
+def _agreement(path, capsys, label: str) -> tuple[float, float]:
+    """Teacher-forced over 2,000 positions of this repository's own prose: how often the most
+    likely next token with the file's blocks is the de-quantized float32 model's, and the largest
+    difference of the actual token's logprob."""
+    blocks, floats = LLM(str(path)), LLM(str(path), quantization="none")
     ids = _real_text_ids(blocks.engine.tokenizer, 2001)
     params = SamplingParams(prompt_logprobs=1, max_tokens=0)
     a, b = (
@@ -110,8 +111,34 @@ def test_smollm2_blocks_agree_with_the_dequantized_model_on_real_text(capsys):
         for i in range(1, len(ids))
     )
     with capsys.disabled():
-        print(f"\n[q4_1] top-1 agreement {agree:.4f} over {len(ids) - 1} positions; "
+        print(f"\n[{label}] top-1 agreement {agree:.4f} over {len(ids) - 1} positions; "
               f"largest logprob difference {diff:.4f}")  # fmt: skip
+    return agree, diff
+
+
+def test_smollm2_blocks_agree_with_the_dequantized_model_on_real_text(capsys):
+    """The default model's Q4_1 blocks against its de-quantized float32 self."""
+    agree, diff = _agreement(SMOLLM, capsys, "q4_1")
+    assert agree >= AGREEMENT and diff < LOGPROB_DIFF
+
+
+def test_smollm2_q4_k_m_by_llama_cpp_agrees_with_the_dequantized_model(capsys, tmp_path):
+    """SmolLM2 as llama.cpp's converter (F16) and quantizer (Q4_K_M) make it: Q5_0, Q8_0, Q4_K
+    and Q6_K matrices (its 576-wide rows are mostly no multiple of 256), each kept in its blocks."""
+    from nanoserve.testing.hf_families import smollm2_checkpoint
+    from nanoserve.testing.llamacpp_convert import (
+        convert,
+        converter,
+        quantize,
+        quantizer_available,
+    )
+
+    if converter() is None or not quantizer_available():
+        pytest.skip("llama.cpp's converter is not fetched or its quantizer is not installed")
+    f16 = convert(smollm2_checkpoint(tmp_path / "hf"), tmp_path / "f16.gguf", "f16")
+    path = quantize(f16, tmp_path / "q4_k_m.gguf", "Q4_K_M")
+    assert GGUFCheckpoint(path).block_formats() == ["q4_k", "q5_0", "q6_k", "q8_0"]
+    agree, diff = _agreement(path, capsys, "Q4_K_M")
     assert agree >= AGREEMENT and diff < LOGPROB_DIFF
 
 

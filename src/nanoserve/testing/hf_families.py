@@ -1,5 +1,6 @@
 """Tiny random checkpoints of each family nanoserve runs (and of configs it refuses), written by
-transformers itself (`save_pretrained`), with the demo's byte-level BPE tokenizer. Weights are
+transformers itself (`save_pretrained`), with the demo's byte-level BPE tokenizer; and SmolLM2
+as a float checkpoint (`smollm2_checkpoint`), for llama.cpp's converter and quantizer. Weights are
 redrawn with the demo's gains (biases and norms too, which transformers initializes to 0 and 1)
 so that greedy decoding depends on every tensor. For the family oracle tests.
 """
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import transformers
 
+from nanoserve.default_model import default_model_path
 from nanoserve.demo import write_checkpoint
 
 CONFIGS = {
@@ -79,3 +81,23 @@ def _copy_tokenizer(path: Path) -> None:
                                 intermediate_size=8)  # fmt: skip
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(demo / name, path / name)
+
+
+def smollm2_checkpoint(out: Path) -> Path:
+    """SmolLM2-135M as a Hugging Face float32 checkpoint, from the default model's GGUF (so its
+    values are the Q4_1 file's), with its tokenizer; returns `out`."""
+    gguf_path = default_model_path()
+    kw = {"gguf_file": gguf_path.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, dtype=torch.float32, **kw
+    )
+    # transformers will not save a model it read from a GGUF: the same weights in a plain one.
+    config = model.config
+    assert isinstance(config, transformers.LlamaConfig)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = transformers.LlamaForCausalLM(config)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw).save_pretrained(out)
+    return out

@@ -1,9 +1,11 @@
-"""llama.cpp's own converter (`convert_hf_to_gguf.py`), for tests and benchmarks that need GGUF
-files as the world writes them. It ships in llama-cpp-python's source distribution (under
-vendor/llama.cpp, with its `conversion` package and its own copy of gguf-py); `fetch()` downloads
-that from PyPI once and keeps the Python parts under the cache directory (NANOSERVE_CACHE). The
-nox test session fetches it before the tests, which download nothing (those that need it skip
-where it was not fetched).
+"""llama.cpp's own converter (`convert_hf_to_gguf.py`) and quantizer (`llama_model_quantize`),
+for tests and benchmarks that need GGUF files as the world writes them. The converter ships in
+llama-cpp-python's source distribution (under vendor/llama.cpp, with its `conversion` package and
+its own copy of gguf-py); `fetch()` downloads that from PyPI once and keeps the Python parts under
+the cache directory (NANOSERVE_CACHE). The quantizer is llama.cpp's C library, through the
+installed llama-cpp-python (the nox test session builds it: a few minutes the first time). The
+nox test session fetches the converter before the tests, which download nothing (those that need
+either skip where it is absent).
 
     python -m nanoserve.testing.llamacpp_convert     # fetch it
 """
@@ -19,6 +21,8 @@ from pathlib import Path
 from nanoserve.env import cache_dir
 
 SDIST = "llama-cpp-python==0.3.36"
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* of the quantizations people download.
+FTYPES = {"Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # under vendor/llama.cpp/
 
 
@@ -63,6 +67,28 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
     )  # fmt: skip
     if done.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-2000:]}")
+    return out
+
+
+def quantizer_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def quantize(source: Path, out: Path, quant: str, threads: int = 2) -> Path:
+    """The GGUF `source` (F32 or F16) quantized to `quant` (a key of FTYPES) by llama.cpp's own
+    quantizer, written to `out`; llama.cpp chooses each matrix's format as it does for anyone
+    (Q4_K_M: Q4_K, with Q6_K for some, and Q5_0 / Q8_0 where rows are no multiple of 256)."""
+    import llama_cpp as lc
+
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = FTYPES[quant]
+    params.nthread = threads
+    if lc.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize of {source.name} to {quant} failed")
     return out
 
 
