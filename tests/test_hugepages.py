@@ -23,3 +23,20 @@ def test_pack_copies_into_one_aligned_mapping_and_keeps_aliases():
     del packed
     gc.collect()
     assert torch.equal(packed_a, expected_a) and torch.equal(packed_b, expected_b)
+
+
+def test_an_arena_hands_out_aligned_pieces_that_pack_keeps_in_place():
+    arena = hugepages.Arena(3 * 4096)
+    a = arena.empty((100, 7))
+    b = arena.empty((10,), torch.float32)
+    assert a.data_ptr() % hugepages.HUGE_PAGE == 0
+    assert b.data_ptr() == a.data_ptr() + 704  # 700 bytes, to the next 64-byte boundary
+    assert hugepages.in_arena(a) and not hugepages.in_arena(torch.zeros(3))
+    other = torch.randn(4)
+    packed = hugepages.pack([a, other, b])
+    assert packed[0] is a and packed[2] is b and packed[1].data_ptr() != other.data_ptr()
+    with pytest.raises(MemoryError, match="has no room"):
+        arena.empty((hugepages.HUGE_PAGE + 4 * 4096,))
+    del arena, packed
+    gc.collect()
+    assert hugepages.in_arena(a)  # its views hold the mapping

@@ -30,8 +30,9 @@ import torch
 
 from nanoserve.env import cache_dir
 from nanoserve.gguf_tokenizer import UnsupportedTokenizer, tokenizer_from_gguf
-from nanoserve.kernels import QuantizedWeight, aligned_bytes, c_backend
+from nanoserve.kernels import QuantizedWeight, c_backend
 from nanoserve.kernels.quant import BLOCK_VALUES
+from nanoserve.model import hugepages
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.gguf_header import TensorInfo, read_header
 from nanoserve.model.quantized import Weight
@@ -46,7 +47,7 @@ PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' 
 # Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
 # floats (F16, BF16) included.
 KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
-INDEX_VERSION = 2  # 2: the header read by model/gguf_header.py
+INDEX_VERSION = 3  # 2: the header read by model/gguf_header.py; 3: max_token_chars
 
 # GGUF tensor name -> Hugging Face name, from model/weights.py: a layer's after "blk.N." and
 # "model.layers.N.", the model's own whole.
@@ -67,7 +68,7 @@ class GGUFCheckpoint:
         self.path = Path(path).resolve()
         if not self.path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        self.index = _cached_index(self.path)
+        self.index, self._built = _cached_index(self.path)
         self.meta: dict[str, Any] = self.index["meta"]
         self.tensors: dict[str, dict[str, Any]] = self.index["tensors"]
         self.config = self._model_config()
@@ -79,7 +80,11 @@ class GGUFCheckpoint:
 
     def tokenizer(self) -> Tokenizer:
         t = self.index["tokenizer"]
-        return Tokenizer(tokenizers.Tokenizer.from_str(t["json"]), t["config"], t["template"])
+        if self._built is not None:  # the one this process built the index with
+            built, self._built = self._built, None
+            return built
+        tok = tokenizers.Tokenizer.from_str(t["json"])
+        return Tokenizer(tok, t["config"], t["template"], t["max_token_chars"])
 
     def read_tensors(
         self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
@@ -94,7 +99,12 @@ class GGUFCheckpoint:
         gemma = self.meta["general.architecture"] == "gemma3"
         kept: dict[str, int] = {}
         dequantized: dict[str, int] = {}
-        for name, info in self.tensors.items():
+        # The blocks go straight from the file into huge pages, a fused matrix's parts one after
+        # the other (model/quantized.py's cat_rows then takes them as they lie): each byte is
+        # copied once.
+        keeps = [i["bytes"] for i in self.tensors.values() if keep_blocks and _keeps(i)]
+        arena = hugepages.Arena(sum(-(-n // hugepages.ALIGN) * hugepages.ALIGN for n in keeps))
+        for name, info in sorted(self.tensors.items(), key=lambda item: _fused_order(item[0])):
             if name == ROPE_FREQS:
                 continue  # in the config's rope factors
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(name.split(".")[-2])
@@ -103,8 +113,9 @@ class GGUFCheckpoint:
             if keep_blocks and _keeps(info):
                 raw = data[info["offset"] : info["offset"] + info["bytes"]]
                 rows = raw.reshape(info["shape"][0], -1)
-                rows = _unpermute(rows, heads) if heads else rows
-                weight = QuantizedWeight(aligned_bytes(rows.copy()), qtype, tuple(info["shape"]))
+                blocks = arena.empty(rows.shape)
+                _copy_rows(blocks.numpy(), rows, heads)
+                weight = QuantizedWeight(blocks, qtype, tuple(info["shape"]))
                 weights[_hf_name(name, gemma)] = weight
                 kept[qtype] = kept.get(qtype, 0) + 1
                 continue
@@ -218,21 +229,22 @@ class GGUFCheckpoint:
         return RopeConfig(theta=theta, freq_factors=tuple(factors) if scaled else None)
 
 
-def _cached_index(path: Path) -> dict[str, Any]:
+def _cached_index(path: Path) -> tuple[dict[str, Any], Tokenizer | None]:
+    """The file's index, and the tokenizer where this call built it (None: read from cache)."""
     stat = path.stat()
     key = f"{INDEX_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
     file = cache_dir() / "gguf" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     if file.is_file():
-        return json.loads(file.read_text("utf-8"))
-    index = _build_index(path)
+        return json.loads(file.read_text("utf-8")), None
+    index, tokenizer = _build_index(path)
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(index), "utf-8")
     os.replace(tmp, file)  # whole or absent: concurrent starts never read half an index
-    return index
+    return index, tokenizer
 
 
-def _build_index(path: Path) -> dict[str, Any]:
+def _build_index(path: Path) -> tuple[dict[str, Any], Tokenizer]:
     """Parse the file once: its metadata but the vocabulary arrays, the tensor table, and the
     tokenizer; refuse what nanoserve cannot serve."""
     meta, tensor_infos = _open(path)
@@ -247,7 +259,8 @@ def _build_index(path: Path) -> dict[str, Any]:
         tok, config, template = tokenizer_from_gguf(meta)
     except UnsupportedTokenizer as e:
         raise GGUFError(f"{path.name}: {e}") from None
-    return {
+    built = Tokenizer(tok, config, template)
+    index = {
         "meta": {k: v for k, v in meta.items() if not (isinstance(v, list) and len(v) > 64)},
         "tensors": tensors,
         "tokenizer": {
@@ -255,8 +268,10 @@ def _build_index(path: Path) -> dict[str, Any]:
             "config": config,
             "template": template,
             "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+            "max_token_chars": built.max_token_chars,
         },
     }
+    return index, built
 
 
 def _tensor_info(path: Path, t: TensorInfo) -> dict[str, Any]:
@@ -292,6 +307,27 @@ def _hf_name(name: str, gemma: bool = False) -> str:
     raise GGUFError(f"tensor {name} is not part of a Llama model")
 
 
+# A layer's GGUF tensor names in model/weights.py's order (q, k, v, ...; llama.cpp's converter
+# writes them in the checkpoint's alphabetical order, k before q).
+def _part_order() -> dict[str, int]:
+    order: dict[str, int] = {}
+    for _, t in LAYER:
+        for g in t.gguf:
+            order.setdefault(g, len(order))
+    return order
+
+
+PART_ORDER = _part_order()
+
+
+def _fused_order(name: str) -> tuple[int, int]:
+    """(layer, place within it) in weights.py's order; the model's own tensors first."""
+    parts = name.split(".")
+    if parts[0] != "blk" or len(parts) != 4:
+        return (-1, 0)
+    return (int(parts[1]), PART_ORDER.get(parts[2], len(PART_ORDER)))
+
+
 def _keeps(info: dict[str, Any]) -> bool:
     """Whether a tensor stays in its format: a matrix in one of the kernels' formats whose rows
     are whole blocks."""
@@ -316,6 +352,16 @@ def _dequantize(data: np.ndarray, info: dict[str, Any]) -> np.ndarray:
         byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
         values = gguf.quants.dequantize(raw.reshape(byte_shape), qtype).astype(np.float32)
     return values.reshape(shape)
+
+
+def _copy_rows(out: np.ndarray, rows: np.ndarray, heads: int | None) -> None:
+    """out[...] = rows, or rows unpermuted (_unpermute) for `heads` heads, in one copy."""
+    if not heads:
+        np.copyto(out, rows)
+        return
+    n = rows.shape[0]
+    np.copyto(out.reshape(heads, 2, n // heads // 2, -1),
+              rows.reshape(heads, n // heads // 2, 2, -1).swapaxes(1, 2))  # fmt: skip
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -60,11 +60,17 @@ def cat_rows(parts: Sequence[Weight]) -> Weight:
 
 
 def _joined(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Blocks of one format stacked by rows: their bytes."""
+    """Blocks of one format stacked by rows: their bytes (a view where they already lie one
+    after the other, as a GGUF's parts do in huge pages)."""
     if len(parts) == 1:
         return parts[0]
-    data = torch.cat([p.data for p in parts])
-    return QuantizedWeight(data, parts[0].qtype, (len(data), parts[0].shape[1]))
+    first, rows = parts[0].data, sum(p.data.shape[0] for p in parts)
+    ends = [p.data.data_ptr() + p.data.nbytes for p in parts[:-1]]
+    if all(end == p.data.data_ptr() for end, p in zip(ends, parts[1:], strict=True)):
+        data = first.as_strided((rows, first.shape[1]), first.stride())
+    else:
+        data = torch.cat([p.data for p in parts])
+    return QuantizedWeight(data, parts[0].qtype, (rows, parts[0].shape[1]))
 
 
 def as_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
