@@ -103,14 +103,15 @@ class GGUFCheckpoint:
         # the other (model/quantized.py's cat_rows then takes them as they lie): each byte is
         # copied once.
         keeps = [i["bytes"] for i in self.tensors.values() if keep_blocks and _keeps(i)]
-        arena = hugepages.Arena(sum(-(-n // hugepages.ALIGN) * hugepages.ALIGN for n in keeps))
+        size = sum(-(-n // hugepages.ALIGN) * hugepages.ALIGN for n in keeps)
+        arena = hugepages.Arena(size) if keeps else None
         for name, info in sorted(self.tensors.items(), key=lambda item: _fused_order(item[0])):
             if name == ROPE_FREQS:
                 continue  # in the config's rope factors
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(name.split(".")[-2])
             heads = heads if permuted else None
             qtype = Q(info["type"]).name.lower()
-            if keep_blocks and _keeps(info):
+            if arena is not None and _keeps(info):
                 raw = data[info["offset"] : info["offset"] + info["bytes"]]
                 rows = raw.reshape(info["shape"][0], -1)
                 blocks = arena.empty(rows.shape)
