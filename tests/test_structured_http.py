@@ -6,8 +6,10 @@ constraints refused with a 400 naming the field before anything is queued."""
 
 import json
 import re
+from pathlib import Path
 
 import jsonschema
+import openai
 import pydantic
 import pytest
 
@@ -220,3 +222,58 @@ async def test_streamed_tool_calls_in_openai_shape(server, client):
     names = [tc.function.name async for chunk in stream for tc in chunk.choices[0].delta.tool_calls
              or [] if tc.function and tc.function.name]  # fmt: skip
     assert names == ["get_weather"]
+
+
+MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tiny_model_factory, tmp_path_factory):
+    """The tiny model with Mistral v0.3's control tokens (ids past the trained vocabulary, within
+    the model's) and its chat template, which calls tools with [TOOL_CALLS]."""
+    import shutil
+
+    import tokenizers
+
+    source = tiny_model_factory(vocab_size=1040)
+    path = tmp_path_factory.mktemp("mistral")
+    shutil.copytree(source, path, dirs_exist_ok=True)
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(MISTRAL_TOKENS)
+    tok.save(str(path / "tokenizer.json"))
+    template = Path(__file__).parent / "data" / "mistral_v3_tools.jinja"
+    shutil.copy(template, path / "chat_template.jinja")
+    return path
+
+
+async def test_mistral_calls_with_its_control_token_and_9_character_ids(mistral_dir):
+    """A template with [TOOL_CALLS]: a required call is the control token and a JSON list, read
+    back as OpenAI's calls with ids of 9 letters and digits, which the template takes back in the
+    history (it raises on any other)."""
+    async with (
+        live_server(mistral_dir, num_kv_blocks=256) as server,
+        openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
+    ):
+        messages: list = list(USER)
+        reply = await client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME],
+            tool_choice="required", max_tokens=300, seed=2, temperature=1.0,
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        calls = choice.message.tool_calls
+        assert calls and all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in calls)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        messages.append(choice.message.model_dump(exclude_none=True))
+        for call in calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "21"})
+        messages.append({"role": "user", "content": "And in Rome?"})
+        final = await client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME], max_tokens=8,
+            temperature=0,
+        )  # fmt: skip
+        assert final.choices[0].finish_reason in ("length", "stop", "tool_calls")

@@ -4,17 +4,20 @@ for templates with and without tools, and a stream of snapshots cut into content
 deltas that add up to the unary answer."""
 
 import json
+import re
+from pathlib import Path
 
 from nanoserve.demo import build_tokenizer
 from nanoserve.engine import RequestMetrics, RequestOutput, SamplingParams
 from nanoserve.engine.outputs import CompletionOutput
 from nanoserve.server.responses import ChatFormat, ToolPlan
-from nanoserve.server.tools import HERMES, LLAMA3_JSON, render_history, syntax_for
+from nanoserve.server.tools import HERMES, LLAMA3_JSON, MISTRAL, render_history, syntax_for
 from nanoserve.tokenizer import Tokenizer
 
 NAMES = {"get_weather", "get_time"}
 QWEN_LIKE = "{% if tools %}<tools>{{ tools }}</tools> answer in <tool_call></tool_call>{% endif %}"
 LLAMA3_LIKE = '{% if tools %}{{ tools }}{% endif %}<|eot_id|>{"name": ..., "parameters": ...}'
+MISTRAL_V3 = (Path(__file__).parent / "data" / "mistral_v3_tools.jinja").read_text()
 
 
 def test_hermes_calls_and_the_content_before_them():
@@ -52,9 +55,57 @@ def test_llama3_json_calls():
     assert LLAMA3_JSON.parse("It is sunny.", NAMES) == ("It is sunny.", [])
 
 
+def test_mistral_calls_are_one_list_after_the_control_token():
+    text = (
+        'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]'
+    )
+    content, calls = MISTRAL.parse(text, NAMES)
+    assert content == "Checking."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    for other in ('[TOOL_CALLS] [{"name": "format_disk", "arguments": {}}]',
+                  "[TOOL_CALLS] [1, 2]", '[TOOL_CALLS] [{"name": "get_time"'):  # fmt: skip
+        assert MISTRAL.parse(other, NAMES) == (other, [])
+    assert re.fullmatch("[A-Za-z0-9]{9}", MISTRAL.call_id())
+    assert HERMES.call_id().startswith("call_")
+
+
+def test_a_mistral_history_renders_with_ids_of_9_letters_and_digits():
+    """Mistral's template raises on call ids of another length: a conversation's ids (OpenAI's
+    call_..., say) are cut to their last 9 letters and digits, the call's and its result's
+    alike."""
+    tokenizer = Tokenizer(build_tokenizer(), {"bos_token": "<|begin_of_text|>",
+                                              "eos_token": "<|eot_id|>"}, MISTRAL_V3)  # fmt: skip
+    tools = [{"name": "get_time", "parameters": {"type": "object"}}]
+    call = {"id": "call_5f2e8a91c3d44b7e", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call_5f2e8a91c3d44b7e"},
+        {"role": "user", "content": "and now?"},
+    ]
+    rendered, variables = render_history(messages, tools, True, MISTRAL)
+    text = tokenizer.apply_chat_template(rendered, True, **variables)
+    assert (
+        '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}, "id": "1c3d44b7e"}]'
+        in text
+    )
+    assert '[TOOL_RESULTS] {"content": 12:00, "call_id": "1c3d44b7e"}[/TOOL_RESULTS]' in text
+    assert text.endswith(
+        '"parameters": {"type": "object"}}}][/AVAILABLE_TOOLS][INST] and now?[/INST]'
+    )
+    short = {**messages[2], "tool_call_id": "call_1"}
+    assert render_history([short], tools, True, MISTRAL)[0][0]["tool_call_id"] == "0000call1"
+
+
 def test_the_syntax_follows_the_chat_template():
     assert syntax_for(QWEN_LIKE) == (HERMES, True)
     assert syntax_for(LLAMA3_LIKE) == (LLAMA3_JSON, True)
+    assert syntax_for(MISTRAL_V3) == (MISTRAL, True)
     assert syntax_for("{{ messages }}") == (HERMES, False)  # SmolLM2: no tools in its template
     assert syntax_for(None) == (HERMES, False)
 

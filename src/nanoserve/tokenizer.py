@@ -169,6 +169,10 @@ class Tokenizer:
             self._literal = literal
         return self._literal
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token that is exactly `text` (a special token, say), or None."""
+        return self._tok.token_to_id(text)
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

@@ -31,7 +31,7 @@ from nanoserve.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from nanoserve.server.tools import ToolSyntax, call_id
+from nanoserve.server.tools import ToolSyntax
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -302,7 +302,7 @@ class ChatFormat(ResponseFormat):
             deltas.append({"content": c.text[state.content_sent : end]})
             state.content_sent = end
         for k, call in enumerate(calls[len(state.ids) :], start=len(state.ids)):
-            state.ids.append(call_id())
+            state.ids.append(tools.syntax.call_id())
             deltas.append(
                 {
                     "tool_calls": [
@@ -358,7 +358,8 @@ class ChatFormat(ResponseFormat):
                 message = ChatMessageOut(
                     content=content,
                     tool_calls=[
-                        ToolCall(id=call_id(), function=FunctionCall(**call)) for call in calls
+                        ToolCall(id=self.tools.syntax.call_id(), function=FunctionCall(**call))
+                        for call in calls
                     ],
                 )
             choices.append(

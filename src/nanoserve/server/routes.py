@@ -124,7 +124,7 @@ class OpenAIServer:
         offered = req.offered_tools()
         kwargs = req.chat_template_kwargs or {}
         if offered or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
-            messages, variables = render_history(messages, offered, native)
+            messages, variables = render_history(messages, offered, native, syntax)
             kwargs = {**kwargs, **variables}
         token_ids = await self._encode_chat(messages, req.add_generation_prompt, kwargs)
         constraint = req.constraint()
@@ -135,11 +135,20 @@ class OpenAIServer:
                 'tool_choice is "none"',
                 "tools",
             )
+        open_id = self.tokenizer.token_id(syntax.open) if syntax.special else None
+        if syntax.special and open_id is None and (offered or required):
+            raise InvalidRequest(
+                f"tools: the chat template calls tools with {syntax.open}, which is not a token "
+                "of this model's vocabulary",
+                "tools",
+            )
         if required:  # a named function is called once; "required" may call several
             named = req.tool_choice != "required"
-            constraint = syntax.grammar(required, req.parallel_tool_calls and not named)
+            constraint = syntax.grammar(required, req.parallel_tool_calls and not named, open_id)
         constraint = await self._compile(constraint)
         params = req.sampling_params(req.completion_limit, req.num_logprobs, None, constraint)
+        if offered and syntax.special:  # the calls start with a control token: keep it in text
+            params.skip_special_tokens = False
         tools = None
         if offered:
             tools = ToolPlan(syntax, frozenset(t["name"] for t in offered))

@@ -1,16 +1,21 @@
 """Tool calls: the functions a chat request offers, put in the prompt, constrained by a grammar
 when a call is required, and read back out of the generated text as OpenAI's `tool_calls`.
 
-Two syntaxes, chosen from the chat template: Hermes's (`<tool_call>{"name": ..., "arguments":
-...}</tool_call>`, which Qwen 2.5 and 3, SmolLM3 and Hermes use) and Llama 3's JSON (`{"name":
-..., "parameters": ...}`). A template that renders no tools (SmolLM2's) gets the Hermes syntax and
-a system message describing the tools, as Hermes models are prompted. Owns nothing.
+Three syntaxes, chosen from the chat template: Hermes's (`<tool_call>{"name": ..., "arguments":
+...}</tool_call>`, which Qwen 2.5 and 3, SmolLM3 and Hermes use), Llama 3's JSON (`{"name":
+..., "parameters": ...}`) and Mistral's (the control token `[TOOL_CALLS]`, then a JSON list of
+`{"name": ..., "arguments": ...}`; its template wants call ids of 9 letters and digits, so the
+calls get such ids and a conversation's ids are cut to 9 where it renders them). A template that
+renders no tools (SmolLM2's) gets the Hermes syntax and a system message describing the tools,
+as Hermes models are prompted. Owns nothing.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +29,15 @@ class ToolSyntax:
     open: str  # what starts a call ("" when a call is bare JSON)
     close: str
     arguments: str  # the key of the arguments object
+    listed: bool = False  # the calls are one JSON list after `open` (Mistral's)
+    special: bool = False  # `open` is a control token: the text keeps special tokens to see it
+    id_chars: int = 0  # call ids of this many letters and digits (Mistral's 9); 0: "call_..."
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
+    def grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, open_id: int | None = None
+    ) -> StructuredOutputsParams:
         """A call (or several, when `parallel`) of one of `tools`, its arguments matching that
-        function's JSON schema."""
+        function's JSON schema. open_id: the token id of a `special` opener."""
         bodies = [
             {
                 "type": "object",
@@ -44,11 +54,30 @@ class ToolSyntax:
         # Calls are written on one line, `{"name": "f", "arguments": {...}}`, as the templates
         # show them: at most one space between two tokens.
         body = {**body, "x-guidance": {"whitespace_pattern": "[ ]?"}}
+        if self.listed:  # [TOOL_CALLS] [{...}, {...}]
+            opener = f"<[{open_id}]>" if self.special else json.dumps(self.open)
+            more = ' ("," " "? body)*' if parallel else ""
+            lark = f'start: {opener} " "? "[" body{more} "]"\nbody: %json {json.dumps(body)}\n'
+            return StructuredOutputsParams(grammar=lark, param="tools")
         call = " ".join([*self._literal(self.open), "body", *self._literal(self.close)])
         separator = '"\\n"' if self.open else '"; "'
         repeat = f" ({separator} call)*" if parallel else ""
         lark = f"start: call{repeat}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
         return StructuredOutputsParams(grammar=lark, param="tools")
+
+    def call_id(self) -> str:
+        """A new call's id."""
+        if self.id_chars:
+            alphabet = string.ascii_letters + string.digits
+            return "".join(secrets.choice(alphabet) for _ in range(self.id_chars))
+        return call_id()
+
+    def rendered_id(self, given: str) -> str:
+        """A conversation's call id as the template takes it: Mistral's, its last 9 letters and
+        digits (zeros in front of a shorter one); the same id always gives the same."""
+        if not self.id_chars:
+            return given
+        return re.sub("[^A-Za-z0-9]", "", given)[-self.id_chars :].rjust(self.id_chars, "0")
 
     @staticmethod
     def _literal(text: str) -> list[str]:
@@ -69,6 +98,8 @@ class ToolSyntax:
         calls: list[dict[str, Any]] = []
         first = None
         for start, call in self._calls(text):
+            if not isinstance(call, dict):
+                continue
             if call.get("name") not in names or not isinstance(call.get(self.arguments), dict):
                 continue
             first = start if first is None else first
@@ -76,8 +107,8 @@ class ToolSyntax:
             calls.append({"name": call["name"], "arguments": arguments})
         return first, calls
 
-    def _calls(self, text: str) -> list[tuple[int, dict[str, Any]]]:
-        found = []
+    def _calls(self, text: str) -> list[tuple[int, Any]]:
+        found: list[tuple[int, Any]] = []
         decoder = json.JSONDecoder()
         opener = re.escape(self.open) if self.open else r"(?:<\|python_tag\|>)?(?=\{)"
         resume = 0  # a call's own braces are not calls
@@ -93,6 +124,9 @@ class ToolSyntax:
                 continue
             if isinstance(value, dict):
                 found.append((match.start(), value))
+                resume = end
+            elif self.listed and isinstance(value, list):  # every call at the opener's place
+                found += [(match.start(), v) for v in value]
                 resume = end
         return found
 
@@ -115,12 +149,17 @@ class ToolSyntax:
 
 HERMES = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
 LLAMA3_JSON = ToolSyntax("llama3_json", "", "", "parameters")
+MISTRAL = ToolSyntax(
+    "mistral", "[TOOL_CALLS]", "", "arguments", listed=True, special=True, id_chars=9
+)
 
 
 def syntax_for(chat_template: str | None) -> tuple[ToolSyntax, bool]:
     """The model family's call syntax, and whether its template renders the tools itself."""
     template = chat_template or ""
     native = "tools" in template
+    if native and "[TOOL_CALLS]" in template:
+        return MISTRAL, True
     if native and "<tool_call>" not in template and "<|eot_id|>" in template:
         return LLAMA3_JSON, True
     return HERMES, native
@@ -145,13 +184,17 @@ def system_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 def render_history(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, native: bool
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    native: bool,
+    syntax: ToolSyntax = HERMES,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Messages and template variables for a conversation with tools. A native template gets
     `tools` and the assistant's calls with their arguments as objects (as transformers passes
-    them); otherwise calls and results become Hermes text, and the tools a system message."""
+    them), their ids as `syntax` renders them; otherwise calls and results become Hermes text,
+    and the tools a system message."""
     if native:
-        out = [_native(m) for m in messages]
+        out = [_native(m, syntax) for m in messages]
         return out, {"tools": [{"type": "function", "function": t} for t in tools or []] or None}
     out = [_as_text(m) for m in messages]
     if tools:
@@ -163,13 +206,17 @@ def render_history(
     return out, {}
 
 
-def _native(message: dict[str, Any]) -> dict[str, Any]:
+def _native(message: dict[str, Any], syntax: ToolSyntax) -> dict[str, Any]:
+    if isinstance(message.get("tool_call_id"), str):
+        message = {**message, "tool_call_id": syntax.rendered_id(message["tool_call_id"])}
     calls = message.get("tool_calls")
     if not calls:
         return message
     parsed = [
-        {**c, "function": {**c["function"], "arguments": _arguments(c["function"])}} for c in calls
-    ]
+        {**c, "function": {**c["function"], "arguments": _arguments(c["function"])},
+         **({"id": syntax.rendered_id(c["id"])} if isinstance(c.get("id"), str) else {})}
+        for c in calls
+    ]  # fmt: skip
     return {**message, "tool_calls": parsed}
 
 
