@@ -156,25 +156,32 @@ async def test_a_bad_constraint_is_a_400_naming_the_field(server, fields, param)
     assert health["running"] == health["waiting"] == 0
 
 
-async def test_a_required_tool_call_and_the_round_trip(client):
-    """tool_choice "required": the answer is a call of one of the tools with arguments that
-    match its schema; the call and its result go back in the history, and the final answer
-    (tool_choice "none") is text."""
+async def _required_call_and_history(client, id_pattern: str) -> list:
+    """tool_choice "required": a call of one of the tools with arguments that match its schema
+    and an id matching `id_pattern`; returns the history with the call and its result."""
     messages: list = list(USER)
     reply = await client.chat.completions.create(
         model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME], tool_choice="required",
         max_tokens=300, seed=2, temperature=1.0,
     )  # fmt: skip
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
     calls = choice.message.tool_calls
-    assert calls and all(c.id.startswith("call_") for c in calls)
+    assert calls and all(re.fullmatch(id_pattern, c.id) for c in calls)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     messages.append(choice.message.model_dump(exclude_none=True))
     for call in calls:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'})
+    return messages
+
+
+async def test_a_required_tool_call_and_the_round_trip(client):
+    """The call and its result go back in the history, and the final answer (tool_choice
+    "none") is text."""
+    messages = await _required_call_and_history(client, "call_[0-9a-f]{24}")
     final = await client.chat.completions.create(
         model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME], tool_choice="none",
         max_tokens=8, temperature=0,
@@ -255,22 +262,7 @@ async def test_mistral_calls_with_its_control_token_and_9_character_ids(mistral_
         live_server(mistral_dir, num_kv_blocks=256) as server,
         openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
     ):
-        messages: list = list(USER)
-        reply = await client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME],
-            tool_choice="required", max_tokens=300, seed=2, temperature=1.0,
-        )  # fmt: skip
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls", choice
-        assert choice.message.content is None
-        calls = choice.message.tool_calls
-        assert calls and all(re.fullmatch("[A-Za-z0-9]{9}", c.id) for c in calls)
-        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-        for call in calls:
-            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-        messages.append(choice.message.model_dump(exclude_none=True))
-        for call in calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": "21"})
+        messages = await _required_call_and_history(client, "[A-Za-z0-9]{9}")
         messages.append({"role": "user", "content": "And in Rome?"})
         final = await client.chat.completions.create(
             model=MODEL_NAME, messages=messages, tools=[WEATHER, TIME], max_tokens=8,
