@@ -40,3 +40,25 @@ def test_an_arena_hands_out_aligned_pieces_that_pack_keeps_in_place():
     del arena, packed
     gc.collect()
     assert hugepages.in_arena(a)  # its views hold the mapping
+
+
+def test_blocks_that_lie_one_after_the_other_are_stacked_as_a_view():
+    """cat_rows of a GGUF's q, k, v read into one arena takes them where they lie; parts that
+    are not neighbours in one buffer are copied. The bytes are torch.cat's either way."""
+    from nanoserve.kernels import QuantizedWeight
+    from nanoserve.model.quantized import cat_rows
+
+    def blocks(n, arena=None):  # q8_0: 34 bytes a block of 32 values; 32 rows are 17 * 64 bytes
+        t = arena.empty((n, 34)) if arena else torch.empty((n, 34), dtype=torch.uint8)
+        t.copy_(torch.randint(0, 256, (n, 34), dtype=torch.uint8))
+        return QuantizedWeight(t, "q8_0", (n, 32))
+
+    arena = hugepages.Arena(8192)
+    near = [blocks(32, arena), blocks(32, arena), blocks(32, arena)]
+    gap = [blocks(2, arena), blocks(32, arena)]  # 68 bytes, then the next 64-byte boundary
+    apart = [blocks(32), blocks(32)]
+    for parts, is_view in ((near, True), (gap, False), (apart, False)):
+        joined = cat_rows(parts)
+        assert torch.equal(joined.data, torch.cat([p.data for p in parts]))
+        assert joined.shape == (sum(p.shape[0] for p in parts), 32)
+        assert (joined.data.data_ptr() == parts[0].data.data_ptr()) == is_view

@@ -65,8 +65,12 @@ def _joined(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if len(parts) == 1:
         return parts[0]
     first, rows = parts[0].data, sum(p.data.shape[0] for p in parts)
+    storage = first.untyped_storage().data_ptr()
     ends = [p.data.data_ptr() + p.data.nbytes for p in parts[:-1]]
-    if all(end == p.data.data_ptr() for end, p in zip(ends, parts[1:], strict=True)):
+    if all(
+        end == p.data.data_ptr() and p.data.untyped_storage().data_ptr() == storage
+        for end, p in zip(ends, parts[1:], strict=True)
+    ):  # one after the other in one buffer
         data = first.as_strided((rows, first.shape[1]), first.stride())
     else:
         data = torch.cat([p.data for p in parts])
