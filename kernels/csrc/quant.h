@@ -41,6 +41,9 @@ enum { NS_MAX_BLOCK_BYTES = 210 }; /* Q6_K's */
 /* The most bytes of unpacked weights a SIMD GEMM panel takes, to stay in L2 (unpacked 4-bit blocks
  * take 4x their bytes). */
 enum { NS_PANEL_BYTES = 256 << 10 };
+/* The GEMV prefetches the next strips' rows into L1 up to this many bytes (a third of a 48 KiB L1,
+ * half of a 32 KiB one), into L2 past it. */
+enum { NS_PREFETCH_L1_BYTES = 16 << 10 };
 
 /* Rows of x quantized for the kernels: per row, q [blocks * QK] (each block's values in the order
  * its path takes them: in order on the portable path, else the format's `pairs`), and per row and

@@ -202,13 +202,19 @@ AVX2_INLINE void strip_tile_avx2(const ns_qmm *a, const strip8 *panel, Py_ssize_
         for (int c = 0; c < nr; c++) acc[r][c] = _mm256_setzero_ps();
     strip8 own[3], super[3][QK_K / QK]; /* super: a K-quant's super-blocks */
     const strip8 *s[3] = {own, own + 1, own + 2};
-    /* The next strips' rows on their way into L2 while this one computes (as on AVX-512). */
+    /* The next strips' rows on their way in while this one computes: into L1 or L2 as on
+     * AVX-512 (quant_strips_avx512.h). */
     const Py_ssize_t after = c0 + 8 * nr, ahead = a->N - after < 8 * nr ? a->N - after : 8 * nr;
     const char *next = a->w + (size_t)(ahead > 0 ? after : 0) * a->row_bytes;
     const Py_ssize_t lines = ahead > 0 ? (Py_ssize_t)((size_t)ahead * a->row_bytes / 64) : 0;
+    const int into_l1 = lines * 64 <= NS_PREFETCH_L1_BYTES;
     for (Py_ssize_t b = 0; b < nb; b++) {
-        for (Py_ssize_t l = b * lines / nb; !panel && l < (b + 1) * lines / nb; l++)
-            _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+        for (Py_ssize_t l = b * lines / nb; !panel && l < (b + 1) * lines / nb; l++) {
+            if (into_l1)
+                _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+            else
+                _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+        }
         for (int c = 0; c < nr; c++) {
             if (panel) {
                 s[c] = panel + c * nb + b;

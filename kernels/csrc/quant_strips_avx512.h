@@ -232,15 +232,20 @@ AVX512_INLINE void strip_tile_avx512(const ns_qmm *a, const strip16 *panel, Py_s
     strip16 own[3], super[3][QK_K / QK]; /* super: a K-quant's super-blocks */
     const strip16 *s[3] = {own, own + 1, own + 2};
     /* Streaming W (no panel): the rows of the next strips, a share of their lines a block, on
-     * their way into L2 while this one computes (none after W's last row). Into L2, not L1:
-     * measured from DRAM on a 2-core Xeon, the Q6_K GEMV went from 17-20 to 20-26 GB/s, Q8_0's
-     * from 19-21 to 21-23, Q4_K's unchanged (25-27). */
+     * their way in while this one computes (none after W's last row): into L1 where they are a
+     * small part of it (NS_PREFETCH_L1_BYTES), else into L2, since a strip of long rows
+     * (Llama-3.2-1B's 8192 x 2048 in Q6_K: 27 KiB) would push out the one being read. */
     const Py_ssize_t after = c0 + 16 * nr, ahead = a->N - after < 16 * nr ? a->N - after : 16 * nr;
     const char *next = a->w + (size_t)(ahead > 0 ? after : 0) * a->row_bytes;
     const Py_ssize_t lines = ahead > 0 ? (Py_ssize_t)((size_t)ahead * a->row_bytes / 64) : 0;
+    const int into_l1 = lines * 64 <= NS_PREFETCH_L1_BYTES;
     for (Py_ssize_t b = 0; b < nb; b++) {
-        for (Py_ssize_t l = b * lines / nb; !panel && l < (b + 1) * lines / nb; l++)
-            _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+        for (Py_ssize_t l = b * lines / nb; !panel && l < (b + 1) * lines / nb; l++) {
+            if (into_l1)
+                _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+            else
+                _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+        }
         for (int c = 0; c < nr; c++) {
             if (panel) {
                 s[c] = panel + c * nb + b;
