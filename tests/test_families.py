@@ -540,3 +540,33 @@ def test_a_gguf_quantized_by_llama_cpp_keeps_its_blocks(
     assert "; de-quantized to torch.float32: none" in caplog.text
     assert llm.engine.runner.cpu_step is not None
     assert kept == greedy(quantization="none")[1]
+
+
+def test_gemma3_gguf_layer_pattern_as_llama_cpp_reads_it(converter, tmp_path):
+    """The converter writes the window but not the layer types: every sixth layer is global
+    unless attention.sliding_window_pattern (an int, or a flag per layer) says otherwise."""
+    from nanoserve.default_model import default_model_path
+    from nanoserve.model.gguf_file import GGUFError
+    from nanoserve.testing.llamacpp_convert import convert
+
+    family, _, extra = CONVERTED["gemma3"]
+    vocab = GGUFCheckpoint(default_model_path()).tokenizer()
+    model_dir = write_family_checkpoint(
+        tmp_path / "g", family, vocab_size=vocab.vocab_size, **{**extra, "num_hidden_layers": 7}
+    )
+    (model_dir / "tokenizer.json").write_text(vocab.backend_json())
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    checkpoint = GGUFCheckpoint(convert(model_dir, tmp_path / "g.gguf"))
+    assert checkpoint.config.layer_windows == (16, 16, 16, 16, 16, 0, 16)
+    assert checkpoint.config.local_rope.theta == 1e4 and checkpoint.config.rope.theta == 1e6
+    assert checkpoint.config.attn_scale == 32**-0.5 and not checkpoint.config.norm_plus_one
+    key = "gemma3.attention.sliding_window_pattern"
+    checkpoint.meta[key] = 2
+    assert checkpoint._model_config().layer_windows == (16, 0, 16, 0, 16, 0, 16)
+    checkpoint.meta[key] = [True, False, False, True, True, True, False]
+    assert checkpoint._model_config().layer_windows == (16, 0, 0, 16, 16, 16, 0)
+    checkpoint.meta[key] = [True, False]
+    with pytest.raises(GGUFError, match="sliding_window_pattern has 2 entries for 7 layers"):
+        checkpoint._model_config()

@@ -1,16 +1,16 @@
-"""GGUF checkpoints (llama.cpp's file format), read with the `gguf` package (llama.cpp's own
-reader): the model config from the metadata, the tokenizer it describes, and the tensors
-de-quantized into the engine's dtype under Hugging Face names, with the rows of the Q and K
-projections put back in Hugging Face's order (llama's; llama.cpp keeps qwen2's and qwen3's as they
-are). Architectures `llama`, `qwen2`, `qwen3` and `gemma3` (the families of model/config.py; a bias
-is there where its tensor is, as llama.cpp loads them; Gemma 3 as llama.cpp reads its files); any
+"""GGUF checkpoints (llama.cpp's file format): the model config from the metadata, the tokenizer
+it describes, and the tensors under Hugging Face names, with the rows of the Q and K projections
+put back in Hugging Face's order (llama's; llama.cpp keeps qwen2's and qwen3's as they are).
+Architectures `llama`, `qwen2`, `qwen3` and `gemma3` (the families of model/config.py; a bias is
+there where its tensor is, as llama.cpp loads them; Gemma 3 as llama.cpp reads its files); any
 other architecture, tensor type or tokenizer is refused by name.
 
-Parsing the metadata is the slow part of opening a file (1.9 s of SmolLM2-135M's 4.5 s load on
-the development machine: the reader makes a NumPy view per vocabulary entry), so what it yields
-(scalar metadata, the tensor table, the built tokenizer) is kept as a small JSON index under the
-cache directory, keyed by the file's path, size and modification time. Tensors are then read
-straight from a memory map of the file.
+The header is read by model/gguf_header.py. What it yields that takes time to rebuild (scalar
+metadata, the tensor table, the built tokenizer) is kept as a small JSON index under the cache
+directory, keyed by the file's path, size and modification time, so that only a file's first
+load parses its vocabulary. Matrices in a format the CPU kernels take are copied once from a
+memory map of the file into huge pages; the rest are de-quantized by the `gguf` package
+(llama.cpp's own de-quantizers) into the engine's dtype.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' 
 # Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
 # floats (F16, BF16) included.
 KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
-INDEX_VERSION = 3  # 2: the header read by model/gguf_header.py; 3: max_token_chars
+INDEX_VERSION = 4  # 2: the header read by model/gguf_header.py; 3: max_token_chars; 4: *_pattern
 
 # GGUF tensor name -> Hugging Face name, from model/weights.py: a layer's after "blk.N." and
 # "model.layers.N.", the model's own whole.
@@ -176,6 +176,11 @@ class GGUFCheckpoint:
         layers = range(config.num_layers)
         if isinstance(pattern, list):
             sliding = [bool(p) for p in pattern]
+            if len(sliding) != config.num_layers:
+                raise GGUFError(
+                    f"{self.path.name}: gemma3.attention.sliding_window_pattern has "
+                    f"{len(sliding)} entries for {config.num_layers} layers"
+                )
         else:
             sliding = [pattern == 0 or i % pattern < pattern - 1 for i in layers]
         windows = tuple(window if s else 0 for s in sliding) if window else ()
@@ -262,7 +267,7 @@ def _build_index(path: Path) -> tuple[dict[str, Any], Tokenizer]:
         raise GGUFError(f"{path.name}: {e}") from None
     built = Tokenizer(tok, config, template)
     index = {
-        "meta": {k: v for k, v in meta.items() if not (isinstance(v, list) and len(v) > 64)},
+        "meta": {k: v for k, v in meta.items() if _indexed(k, v)},
         "tensors": tensors,
         "tokenizer": {
             "json": tok.to_str(),
@@ -273,6 +278,12 @@ def _build_index(path: Path) -> tuple[dict[str, Any], Tokenizer]:
         },
     }
     return index, built
+
+
+def _indexed(key: str, value: Any) -> bool:
+    """Whether the index keeps a metadata value: not the vocabulary's arrays (the tokenizer holds
+    them), but a per-layer array whatever its length."""
+    return not (isinstance(value, list) and len(value) > 64 and not key.endswith("_pattern"))
 
 
 def _tensor_info(path: Path, t: TensorInfo) -> dict[str, Any]:
