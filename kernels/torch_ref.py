@@ -43,6 +43,9 @@ def paged_attention_decode(
         padding |= torch.arange(max_ctx, device=q.device) < lens[:, None] - window
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # The slots past a sequence's length were never written (the cache is uninitialized memory):
+    # a NaN there times its zero probability would still be NaN.
+    v.masked_fill_(padding[:, None, :, None], 0.0)
     out.copy_((probs @ v).view(num_seqs, num_q_heads, head_dim))
 
 

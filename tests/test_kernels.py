@@ -13,7 +13,7 @@ import random
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -203,6 +203,27 @@ INVARIANCE = [
     for dtype in (torch.float32, torch.bfloat16)
     if p.id != "cpu-triton" or dtype == torch.bfloat16  # the interpreter is slow: one dtype
 ]
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+def test_slots_never_written_are_not_read(gen, device, backend):
+    """The KV cache is uninitialized memory: NaN in every slot past a sequence's length (its last
+    block's tail, the padding entries' block 0, blocks no one holds) changes nothing."""
+    lens = [3, 40, 17]
+    case = make_case(gen, lens, 4, 2, 64, 16, torch.float32, device)
+    expected = run(case, backend)
+    written = torch.zeros(case.k_cache.shape[0] * 16, dtype=torch.bool)
+    for row, n in zip(case.block_tables.cpu().tolist(), lens, strict=True):
+        for t in range(n):
+            written[row[t // 16] * 16 + t % 16] = True
+    slots = written.view(-1, 1, 16, 1).to(device)
+    poisoned = replace(
+        case,
+        k_cache=case.k_cache.masked_fill(~slots, float("nan")),
+        v_cache=case.v_cache.masked_fill(~slots, float("nan")),
+    )
+    got = run(poisoned, backend)
+    assert torch.isfinite(got).all() and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("device,backend,dtype", INVARIANCE)
