@@ -23,7 +23,7 @@ def longest_open_prefix(text: str, stops: list[str]) -> int:
     return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(
     stops=st.lists(words, min_size=1, max_size=8),
     pieces=st.lists(st.text(ALPHABET, max_size=6), max_size=8),

@@ -248,10 +248,23 @@ class IncrementalDetokenizer:
         window = self._ids[self._prefix_offset :]
         prefix = self._tok.decode(window[: self._read_offset - self._prefix_offset], self._skip)
         full = self._tok.decode(window, self._skip)
-        if full.endswith("\ufffd") and not allow_partial:
+        if full.endswith("\ufffd") and not allow_partial and self._ends_mid_character():
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full[len(prefix) :]
+
+    def _ends_mid_character(self) -> bool:
+        """Whether the unread tokens' bytes stop inside a UTF-8 character (a U+FFFD that the text
+        itself holds is a character like any other)."""
+        skipped = self._tok.all_special_ids if self._skip else set()
+        pending = self._ids[self._read_offset :]
+        tail = b"".join(self._tok.token_bytes(i) for i in pending if i not in skipped)
+        for back in range(1, min(4, len(tail)) + 1):
+            byte = tail[-back]
+            if byte & 0xC0 != 0x80:  # the last character's first byte: how long it should be
+                length = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+                return byte >= 0xC0 and back < length
+        return False  # no first byte within 4: invalid, not incomplete
 
 
 def _set_of(token_id: int | None) -> set[int]:
