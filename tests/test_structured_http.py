@@ -269,3 +269,21 @@ async def test_mistral_calls_with_its_control_token_and_9_character_ids(mistral_
             temperature=0,
         )  # fmt: skip
         assert final.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+async def test_a_tool_token_missing_from_the_vocabulary_is_refused(mistral_dir, tmp_path):
+    """A template that calls tools with [TOOL_CALLS] on a vocabulary without that token: a 400
+    naming tools, not calls the model cannot write."""
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(mistral_dir, plain)
+    tokenizer_json = json.loads((plain / "tokenizer.json").read_text())
+    tokenizer_json["added_tokens"] = [
+        t for t in tokenizer_json["added_tokens"] if t["content"] not in MISTRAL_TOKENS
+    ]
+    (plain / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    async with live_server(plain, num_kv_blocks=64) as server:
+        body = {"messages": USER, "tools": [WEATHER], "max_tokens": 4}
+        error = _error(await server.http.post(X, json=body))
+        assert error["param"] == "tools" and "[TOOL_CALLS]" in error["message"], error
