@@ -27,7 +27,7 @@ GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in kernels.QUANT_
 # The formats quantize() makes (not the K-quants, whose blocks come from llama.cpp's quantizer).
 QUANTIZED = [name for name in kernels.QUANT_TYPES if name not in quant.NOT_QUANTIZED]
 KQUANTS = [name for name in kernels.QUANT_TYPES if quant.BLOCK_VALUES[name] == 256]
-ROWS = [1, 2, 3, 4, 5, 17, 64, 300]
+ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 64, 300]  # GEMV to 4 (8 on AVX-512), GEMM past it
 MINS = ("q4_1", "q5_1")  # the formats with a min m per block
 FLOATS = ("f16", "bf16")  # 16-bit floats, multiplied by float32 activations (no int16 rounding)
 # (path, VNNI): each runs where the CPU has it; "avx512" without VNNI runs on any AVX-512 CPU.
@@ -247,8 +247,8 @@ def test_a_real_gguf_tensor(name, isa):
 @pytest.mark.parametrize("k", [32, 32 * 6, 32 * 7])
 @pytest.mark.parametrize("qtype", QUANTIZED)
 def test_quantized_linear_against_gguf(isa, qtype, k):
-    """Every M from the GEMV's 1-4 rows to the GEMM's many, an odd N, K of one block and of
-    numbers of blocks that leave 1, 2 or 3 blocks after the paths' groups of 2 and 4."""
+    """Every M from the GEMV's 1-4 rows (1-8 on AVX-512) to the GEMM's many, an odd N, K of one
+    block and of numbers of blocks that leave 1, 2 or 3 blocks after the paths' groups of 2, 4."""
     w = kernels.quantize(_weight(97, k, seed=k), qtype)
     x_all = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(1)) * 2
     with_isa = quant.cpu_isa()
@@ -269,8 +269,8 @@ def test_quantized_linear_against_gguf(isa, qtype, k):
 
 @pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
 def test_a_row_is_bitwise_the_same_in_any_batch_and_thread_count(isa, qtype):
-    """GEMV (M <= 4) and GEMM (M > 4) rows, several panels of N, any rows beside it, any threads;
-    the K-quants' random valid blocks at two super-blocks a row."""
+    """GEMV (M <= 4, or 8 on AVX-512) and GEMM rows, several panels of N, any rows beside it, any
+    threads; the K-quants' random valid blocks at two super-blocks a row."""
     n = 600
     if qtype in KQUANTS:
         w = _kquant_weight(qtype, n, 512, seed=3)

@@ -36,12 +36,25 @@ static void bf16_dequantize(float *x, const void *block) {
     for (int j = 0; j < QK; j++) x[j] = ns_bf16_to_f32(h[j]);
 }
 
-/* out[r0 .. r0 + mr, n] from row (W's row n), bf16 or f16: a path's dot products. */
-typedef void (*f16_dots_fn)(const ns_qmm *a, Py_ssize_t r0, int mr, Py_ssize_t n, const char *row,
-                            int bf16);
+/* out[r0 .. r0 + mr, n .. n + nc] from W's rows n .. n + nc (nc 1 or 2; row is W's row n),
+ * bf16 or f16: a path's dot products. */
+typedef void (*f16_dots_fn)(const ns_qmm *a, Py_ssize_t r0, int mr, Py_ssize_t n, int nc,
+                            const char *row, int bf16);
+
+/* dots with mr (1..NS_GEMV_ROWS) a constant. */
+static ALWAYS_INLINE void f16_dots_nc(const ns_qmm *a, Py_ssize_t r0, int mr, Py_ssize_t n,
+                                      const int nc, const char *row, const int bf16,
+                                      const f16_dots_fn dots) {
+    switch (mr) {
+    case 1: dots(a, r0, 1, n, nc, row, bf16); break;
+    case 2: dots(a, r0, 2, n, nc, row, bf16); break;
+    case 3: dots(a, r0, 3, n, nc, row, bf16); break;
+    default: dots(a, r0, 4, n, nc, row, bf16); break;
+    }
+}
 
 /* out[:, n0:n1]: chunks of W's rows that fit in L2, under every tile of up to NS_GEMV_ROWS rows of
- * x. mr and bf16 are constants in dots after inlining. */
+ * x, two of W's rows at a time. mr, nc and bf16 are constants in dots after inlining. */
 static ALWAYS_INLINE void f16_matmul(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1,
                                      const int bf16, const f16_dots_fn dots) {
     Py_ssize_t chunk = (Py_ssize_t)(NS_PANEL_BYTES / a->row_bytes);
@@ -50,14 +63,13 @@ static ALWAYS_INLINE void f16_matmul(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t 
         const Py_ssize_t c1 = n1 - c0 < chunk ? n1 : c0 + chunk;
         for (Py_ssize_t r0 = 0; r0 < a->M; r0 += NS_GEMV_ROWS) {
             const int mr = a->M - r0 < NS_GEMV_ROWS ? (int)(a->M - r0) : NS_GEMV_ROWS;
-            for (Py_ssize_t n = c0; n < c1; n++) {
+            for (Py_ssize_t n = c0; n < c1; n += 2) {
                 const char *row = a->w + (size_t)n * a->row_bytes;
-                switch (mr) {
-                case 1: dots(a, r0, 1, n, row, bf16); break;
-                case 2: dots(a, r0, 2, n, row, bf16); break;
-                case 3: dots(a, r0, 3, n, row, bf16); break;
-                default: dots(a, r0, 4, n, row, bf16); break;
+                if (c1 - n < 2) {
+                    f16_dots_nc(a, r0, mr, n, 1, row, bf16, dots);
+                    continue;
                 }
+                f16_dots_nc(a, r0, mr, n, 2, row, bf16, dots);
             }
         }
     }
@@ -67,16 +79,19 @@ static ALWAYS_INLINE void f16_matmul(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t 
 
 /* 32 lanes along K (lane l: k = l mod 32), then pairwise: the SIMD paths' number of roundings. */
 static ALWAYS_INLINE void f16_dots_portable(const ns_qmm *a, Py_ssize_t r0, const int mr,
-                                            Py_ssize_t n, const char *row, const int bf16) {
-    const uint16_t *h = (const uint16_t *)row;
-    for (int m = 0; m < mr; m++) {
-        const float *x = a->xf + (r0 + m) * a->K;
-        float lane[QK] = {0};
-        for (Py_ssize_t k = 0; k < a->K; k++)
-            lane[k % QK] += x[k] * (bf16 ? ns_bf16_to_f32(h[k]) : ns_f16_to_f32(h[k]));
-        for (int width = QK / 2; width > 0; width /= 2)
-            for (int l = 0; l < width; l++) lane[l] += lane[l + width];
-        a->out[(r0 + m) * a->ldo + n] = lane[0];
+                                            Py_ssize_t n0, const int nc, const char *row0,
+                                            const int bf16) {
+    for (int c = 0; c < nc; c++) {
+        const uint16_t *h = (const uint16_t *)(row0 + (size_t)c * a->row_bytes);
+        for (int m = 0; m < mr; m++) {
+            const float *x = a->xf + (r0 + m) * a->K;
+            float lane[QK] = {0};
+            for (Py_ssize_t k = 0; k < a->K; k++)
+                lane[k % QK] += x[k] * (bf16 ? ns_bf16_to_f32(h[k]) : ns_f16_to_f32(h[k]));
+            for (int width = QK / 2; width > 0; width /= 2)
+                for (int l = 0; l < width; l++) lane[l] += lane[l + width];
+            a->out[(r0 + m) * a->ldo + n0 + c] = lane[0];
+        }
     }
 }
 
@@ -107,6 +122,15 @@ AVX2_INLINE float sum_lanes_avx2(__m256 v) {
 }
 
 AVX2_INLINE void f16_dots_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
+                               const char *row, const int bf16);
+
+/* One of W's rows at a time: AVX2's 16 registers hold one row's accumulators. */
+AVX2_INLINE void f16_dots2_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
+                                const int nc, const char *row, const int bf16) {
+    for (int c = 0; c < nc; c++) f16_dots_avx2(a, r0, mr, n + c, row + c * a->row_bytes, bf16);
+}
+
+AVX2_INLINE void f16_dots_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
                                const char *row, const int bf16) {
     __m256 acc[NS_GEMV_ROWS][2];
 #pragma GCC unroll 4
@@ -126,11 +150,11 @@ AVX2_INLINE void f16_dots_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_
 }
 
 AVX2_KERNEL void f16_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    f16_matmul(a, n0, n1, 0, f16_dots_avx2);
+    f16_matmul(a, n0, n1, 0, f16_dots2_avx2);
 }
 
 AVX2_KERNEL void bf16_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    f16_matmul(a, n0, n1, 1, f16_dots_avx2);
+    f16_matmul(a, n0, n1, 1, f16_dots2_avx2);
 }
 
 /* ---------------------------------------------------------------- AVX-512 */
@@ -142,28 +166,44 @@ AVX512_INLINE __m512 widen_avx512(const char *p, const int bf16) {
     return _mm512_cvtph_ps(h);
 }
 
+/* Both of W's rows under each load of x (16 accumulators for 4 rows of x): one load of x for every
+ * two FMAs, which keeps the FMA units, not the loads, the limit. Each output's operations are the
+ * same whatever nc. */
 AVX512_INLINE void f16_dots_avx512(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
-                                   const char *row, const int bf16) {
-    __m512 acc[NS_GEMV_ROWS][2];
+                                   const int nc, const char *row, const int bf16) {
+    __m512 acc[NS_GEMV_ROWS][2][2];
 #pragma GCC unroll 4
-    for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int m = 0; m < mr; m++)
+#pragma GCC unroll 2
+        for (int c = 0; c < nc; c++) acc[m][c][0] = acc[m][c][1] = _mm512_setzero_ps();
     const float *x = a->xf + r0 * a->K;
     for (Py_ssize_t k = 0; k < a->K; k += 32) {
-        const __m512 w0 = widen_avx512(row + 2 * k, bf16);
-        const __m512 w1 = widen_avx512(row + 2 * k + 32, bf16);
+        __m512 w[2][2];
+#pragma GCC unroll 2
+        for (int c = 0; c < nc; c++) {
+            w[c][0] = widen_avx512(row + c * a->row_bytes + 2 * k, bf16);
+            w[c][1] = widen_avx512(row + c * a->row_bytes + 2 * k + 32, bf16);
+        }
 #pragma GCC unroll 4
         for (int m = 0; m < mr; m++) {
-            acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * a->K + k), w0, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * a->K + k + 16), w1, acc[m][1]);
+            const __m512 x0 = _mm512_loadu_ps(x + m * a->K + k);
+            const __m512 x1 = _mm512_loadu_ps(x + m * a->K + k + 16);
+#pragma GCC unroll 2
+            for (int c = 0; c < nc; c++) {
+                acc[m][c][0] = _mm512_fmadd_ps(x0, w[c][0], acc[m][c][0]);
+                acc[m][c][1] = _mm512_fmadd_ps(x1, w[c][1], acc[m][c][1]);
+            }
         }
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < mr; m++) {
-        const __m512 v = _mm512_add_ps(acc[m][0], acc[m][1]);
-        const __m256 top = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), top);
-        a->out[(r0 + m) * a->ldo + n] = sum_lanes_avx2(h);
-    }
+    for (int m = 0; m < mr; m++)
+#pragma GCC unroll 2
+        for (int c = 0; c < nc; c++) {
+            const __m512 v = _mm512_add_ps(acc[m][c][0], acc[m][c][1]);
+            const __m256 top = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+            const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), top);
+            a->out[(r0 + m) * a->ldo + n + c] = sum_lanes_avx2(h);
+        }
 }
 
 AVX512_KERNEL void f16_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
