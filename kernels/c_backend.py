@@ -182,6 +182,13 @@ def quant_linear(
     )
 
 
+def copy_rows(jobs: list[tuple[int, int, int, int, int]]) -> None:
+    """Each (dst, src, rows, row_bytes, heads): rows of row_bytes bytes from address src to dst,
+    each head's two rotary halves put back (llama.cpp's interleaved Q and K rows) where heads > 0;
+    all in one call that releases the GIL."""
+    _C.copy_rows(jobs=jobs)
+
+
 def quantize(weight: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
     _C.quantize(
         out=out.data_ptr(),

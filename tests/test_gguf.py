@@ -7,6 +7,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import gguf
@@ -19,6 +20,8 @@ from tokenizers import pre_tokenizers
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.default_model import NAME, default_model_path
+from nanoserve.kernels import QuantizedWeight, c_backend
+from nanoserve.model import hugepages
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.gguf_file import GGUFCheckpoint
 from nanoserve.model.gguf_header import read_header
@@ -303,6 +306,32 @@ def test_the_parsed_metadata_is_cached_and_renewed_when_the_file_changes(
     shutil.copy(write_gguf(tiny_model_dir, tmp_path / "other.gguf", architecture="llama"), path)
     GGUFCheckpoint(path)
     assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2 and index.exists()
+
+
+def test_a_gguf_copies_its_blocks_on_a_named_thread_while_its_tokenizer_builds(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """read_tensors' one copy_rows call runs on the nanoserve-load-blocks thread, and the
+    tokenizer built meanwhile is the one tokenizer() hands out first (then a new one each time)."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    GGUFCheckpoint(path).tokenizer()  # builds the index: the next open reads it
+    checkpoint = GGUFCheckpoint(path)
+    threads, copy = [], c_backend.copy_rows
+
+    def recorded(jobs):
+        threads.append(threading.current_thread().name)
+        copy(jobs)
+
+    monkeypatch.setattr(c_backend, "copy_rows", recorded)
+    weights = checkpoint.read_tensors(torch.float32, "cpu", keep_blocks=True)
+    assert [name.rsplit("_", 1)[0] for name in threads] == ["nanoserve-load-blocks"]
+    kept = [w for w in weights.values() if isinstance(w, QuantizedWeight)]
+    assert kept and all(hugepages.in_arena(w.data) for w in kept)
+    built = checkpoint._built
+    assert built is not None and checkpoint.tokenizer() is built
+    again = checkpoint.tokenizer()
+    assert again is not built and again.encode(CORPUS[3]) == built.encode(CORPUS[3])
 
 
 def test_the_default_model_missing_says_how_to_install(monkeypatch, capsys):

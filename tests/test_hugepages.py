@@ -1,10 +1,13 @@
 import gc
 import mmap
 
+import numpy as np
 import pytest
 import torch
 
+from nanoserve.kernels import c_backend
 from nanoserve.model import hugepages
+from nanoserve.model.gguf_file import _unpermute
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE here")
@@ -62,3 +65,23 @@ def test_blocks_that_lie_one_after_the_other_are_stacked_as_a_view():
         assert torch.equal(joined.data, torch.cat([p.data for p in parts]))
         assert joined.shape == (sum(p.shape[0] for p in parts), 32)
         assert (joined.data.data_ptr() == parts[0].data.data_ptr()) == is_view
+
+
+def test_copy_rows_copies_and_puts_back_each_heads_rotary_halves():
+    """One call for many jobs: plain rows, and a llama's Q rows unpermuted as gguf_file's
+    _unpermute does on de-quantized values (row (h, i, j) of the file is row (h, j, i))."""
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randint(0, 256, (5, 22), dtype=torch.uint8, generator=g)
+    q = torch.randint(0, 256, (2 * 2 * 3, 18), dtype=torch.uint8, generator=g)  # 2 heads of 6
+    arena = hugepages.Arena(4096)
+    out_plain, out_q = arena.empty(tuple(plain.shape)), arena.empty(tuple(q.shape))
+    c_backend.copy_rows([
+        (out_plain.data_ptr(), plain.data_ptr(), 5, 22, 0),
+        (out_q.data_ptr(), q.data_ptr(), 12, 18, 2),
+    ])  # fmt: skip
+    assert torch.equal(out_plain, plain)
+    assert np.array_equal(out_q.numpy(), _unpermute(q.numpy(), 2))
+    rows = q.reshape(2, 3, 2, 18)
+    assert torch.equal(out_q.reshape(2, 2, 3, 18)[1, 0, 2], rows[1, 2, 0])
+    with pytest.raises(ValueError, match="job 0 has 10 rows of 18 bytes in 2 heads"):
+        c_backend.copy_rows([(out_q.data_ptr(), q.data_ptr(), 10, 18, 2)])

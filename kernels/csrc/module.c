@@ -1,7 +1,7 @@
 /* The module nanoserve.kernels._C: its method table and constants. The entry points live beside
  * their kernels (paged_attention.c, linear.c, norm_rope.c, decode_step.c, quant.c,
- * quant_convert.c); each takes its arguments by keyword (kernels/c_backend.py names every one),
- * pointers as ints. */
+ * quant_convert.c, copy_rows.c); each takes its arguments by keyword (kernels/c_backend.py names
+ * every one), pointers as ints. */
 #include "quant.h"
 
 #include <omp.h>
@@ -66,6 +66,10 @@ static PyMethodDef methods[] = {
     {"dequantize", KW_FUNCTION(nanoserve_py_dequantize), METH_VARARGS | METH_KEYWORDS,
      "dequantize(out, w, rows, num_rows, N, K, qtype, num_threads): out [num_rows, K] float32 = "
      "rows `rows` (int64 pointer; 0 for all N in order) of the block matrix w."},
+    {"copy_rows", KW_FUNCTION(nanoserve_py_copy_rows), METH_VARARGS | METH_KEYWORDS,
+     "copy_rows(jobs): each (dst, src, rows, row_bytes, heads) copies rows of row_bytes bytes, "
+     "each head's rotary halves put back where heads > 0 (llama.cpp's Q and K rows), all with "
+     "the GIL released; pointers as ints."},
     {"set_quant_isa", KW_FUNCTION(nanoserve_py_set_quant_isa), METH_VARARGS | METH_KEYWORDS,
      "set_quant_isa(isa, vnni=True): the quantized kernels' path, 'portable', 'avx2' or "
      "'avx512', capped to what the CPU runs; returns (path, vnni) now in use. Not for use while "

@@ -202,6 +202,7 @@ PyObject *nanoserve_py_check_tables(PyObject *self, PyObject *args, PyObject *kw
 PyObject *nanoserve_py_check_slots(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_check_positions(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_copy_rows(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_dequantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_set_quant_isa(PyObject *self, PyObject *args, PyObject *kwargs);

@@ -73,11 +73,12 @@ class Engine:
         checkpoint = open_checkpoint(model)
         self.config = config = resolve_dtype(config or EngineConfig(), checkpoint)
         self.model_config = mc = checkpoint.config
+        # The weights first: a GGUF builds its tokenizer while their blocks copy.
+        self.executor = start_executor(model, checkpoint, config)
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
-        self.executor = start_executor(model, checkpoint, config)
         self.runner = self.executor.runner  # rank 0's: prepares each step, knows the pool
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len

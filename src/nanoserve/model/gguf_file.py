@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ class GGUFCheckpoint:
         if not self.path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
         self.index, self._built = _cached_index(self.path)
+        self._tokenizer_asked = False
         self.meta: dict[str, Any] = self.index["meta"]
         self.tensors: dict[str, dict[str, Any]] = self.index["tensors"]
         self.config = self._model_config()
@@ -79,10 +81,16 @@ class GGUFCheckpoint:
         return sorted(q.name.lower() for q in kept)
 
     def tokenizer(self) -> Tokenizer:
-        t = self.index["tokenizer"]
-        if self._built is not None:  # the one this process built the index with
+        """The file's tokenizer: the one built with the index or while the blocks were copied
+        (read_tensors) the first time, a new one from the index after."""
+        self._tokenizer_asked = True
+        if self._built is not None:
             built, self._built = self._built, None
             return built
+        return self._indexed_tokenizer()
+
+    def _indexed_tokenizer(self) -> Tokenizer:
+        t = self.index["tokenizer"]
         tok = tokenizers.Tokenizer.from_str(t["json"])
         return Tokenizer(tok, t["config"], t["template"], t["max_token_chars"])
 
@@ -101,10 +109,11 @@ class GGUFCheckpoint:
         dequantized: dict[str, int] = {}
         # The blocks go straight from the file into huge pages, a fused matrix's parts one after
         # the other (model/quantized.py's cat_rows then takes them as they lie): each byte is
-        # copied once.
+        # copied once, by one call for them all (_copy).
         keeps = [i["bytes"] for i in self.tensors.values() if keep_blocks and _keeps(i)]
         size = sum(-(-n // hugepages.ALIGN) * hugepages.ALIGN for n in keeps)
         arena = hugepages.Arena(size) if keeps else None
+        copies: list[tuple[int, int, int, int, int]] = []  # c_backend.copy_rows' jobs
         for name, info in sorted(self.tensors.items(), key=lambda item: _fused_order(item[0])):
             if name == ROPE_FREQS:
                 continue  # in the config's rope factors
@@ -112,10 +121,10 @@ class GGUFCheckpoint:
             heads = heads if permuted else None
             qtype = Q(info["type"]).name.lower()
             if arena is not None and _keeps(info):
-                raw = data[info["offset"] : info["offset"] + info["bytes"]]
-                rows = raw.reshape(info["shape"][0], -1)
-                blocks = arena.empty(rows.shape)
-                _copy_rows(blocks.numpy(), rows, heads)
+                rows = info["shape"][0]
+                blocks = arena.empty((rows, info["bytes"] // rows))
+                at = data.ctypes.data + info["offset"]
+                copies.append((blocks.data_ptr(), at, *blocks.shape, heads or 0))
                 weight = QuantizedWeight(blocks, qtype, tuple(info["shape"]))
                 weights[_hf_name(name, gemma)] = weight
                 kept[qtype] = kept.get(qtype, 0) + 1
@@ -127,11 +136,24 @@ class GGUFCheckpoint:
             weights[_hf_name(name, gemma)] = torch.from_numpy(values).to(device=device, dtype=own)
             if len(info["shape"]) == 2:
                 dequantized[qtype] = dequantized.get(qtype, 0) + 1
+        self._copy(copies)
         log.info(
             "%s: matrices kept in their formats: %s; de-quantized to %s: %s",
             self.path.name, _counts(kept), dtype, _counts(dequantized),
         )  # fmt: skip
         return weights
+
+    def _copy(self, copies: list[tuple[int, int, int, int, int]]) -> None:
+        """The blocks' copies, in one call that holds no GIL (c_backend.copy_rows) on a named
+        thread, while this one builds the tokenizer unless it was built or asked for already: its
+        from_str holds the GIL throughout, and is most of the rest of a load."""
+        if not copies:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="nanoserve-load-blocks") as pool:
+            copied = pool.submit(c_backend.copy_rows, copies)
+            if self._built is None and not self._tokenizer_asked:
+                self._built = self._indexed_tokenizer()
+            copied.result()
 
     def _get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.meta['general.architecture']}.{key}", default)
@@ -364,16 +386,6 @@ def _dequantize(data: np.ndarray, info: dict[str, Any]) -> np.ndarray:
         byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
         values = gguf.quants.dequantize(raw.reshape(byte_shape), qtype).astype(np.float32)
     return values.reshape(shape)
-
-
-def _copy_rows(out: np.ndarray, rows: np.ndarray, heads: int | None) -> None:
-    """out[...] = rows, or rows unpermuted (_unpermute) for `heads` heads, in one copy."""
-    if not heads:
-        np.copyto(out, rows)
-        return
-    n = rows.shape[0]
-    np.copyto(out.reshape(heads, 2, n // heads // 2, -1),
-              rows.reshape(heads, n // heads // 2, 2, -1).swapaxes(1, 2))  # fmt: skip
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
