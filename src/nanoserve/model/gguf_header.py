@@ -28,6 +28,7 @@ import numpy as np
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
            11: "<q", 12: "<d"}  # fmt: skip
 STRING, ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,22 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings: string() in one loop of local names (a vocabulary is 49k-256k of
+        them: 50 -> 32 ms for SmolLM2's tokens and merges)."""
+        data, pos, end = self.data, self.pos, len(self.data)
+        out: list[str] = []
+        length, append = _U64.unpack_from, out.append
+        for _ in range(count):
+            (n,) = length(data, pos)
+            pos += 8
+            if pos + n > end:
+                raise ValueError("a string runs past the end of the file")
+            append(data[pos : pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == STRING:
             return self.string()
@@ -68,6 +85,8 @@ class _Cursor:
                 values = np.frombuffer(self.data, dtype, count, self.pos).tolist()
                 self.pos += count * dtype.itemsize
                 return values
+            if item == STRING:
+                return self.strings(count)
             return [self.value(item) for _ in range(count)]
         if kind not in SCALARS:
             raise ValueError(f"unknown value type {kind}")
