@@ -245,6 +245,34 @@ def test_threads_are_shared_and_given_back(tiny_model_dir):
     assert not _alive(pid)
 
 
+
+def test_a_start_that_fails_after_the_workers_stops_them(tiny_model_dir, monkeypatch):
+    """An error once the group runs (here in the grammar compiler, built after the weights)
+    stops the worker at once, while the error is still held, and frees torch.distributed's one
+    process group for the next engine."""
+    from nanoserve.engine import engine, tp
+
+    launched = []
+    launch = tp.TensorParallelExecutor.launch
+    monkeypatch.setattr(
+        tp.TensorParallelExecutor,
+        "launch",
+        classmethod(lambda cls, *a: launched.append(launch(*a)) or launched[-1]),
+    )
+
+    def broken(*args):
+        raise RuntimeError("the grammar compiler broke")
+
+    monkeypatch.setattr(engine, "GrammarCompiler", broken)
+    with pytest.raises(RuntimeError, match="the grammar compiler broke"):
+        LLM(str(tiny_model_dir), tensor_parallel_size=2)
+    (pid,) = launched[0].pids
+    assert not _alive(pid)
+    monkeypatch.undo()
+    with LLM(str(tiny_model_dir), tensor_parallel_size=2) as llm:
+        assert llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 # -- `nanoserve serve --tensor-parallel-size 2`: failures and shutdown -------------------------
 
 C = "/v1/completions"

@@ -33,7 +33,7 @@ from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sampl
 from nanoserve.engine.scheduler import Proposer, ScheduledRequest, Scheduler
 from nanoserve.engine.spec_decode import NgramProposer, SpecStats
 from nanoserve.engine.structured import GrammarCompiler, GrammarError, mask_logits
-from nanoserve.model.checkpoint import open_checkpoint
+from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
 from nanoserve.tokenizer import IncrementalDetokenizer
 
 
@@ -72,9 +72,19 @@ class Engine:
         """`model`: a Hugging Face checkpoint directory or a GGUF file."""
         checkpoint = open_checkpoint(model)
         self.config = config = resolve_dtype(config or EngineConfig(), checkpoint)
-        self.model_config = mc = checkpoint.config
+        self.model_config = checkpoint.config
         # The weights first: a GGUF builds its tokenizer while their blocks copy.
         self.executor = start_executor(model, checkpoint, config)
+        try:
+            self._start(checkpoint)
+        except BaseException:
+            self.executor.close()  # no tensor-parallel worker outlives a failed start
+            raise
+
+    def _start(self, checkpoint: Checkpoint) -> None:
+        """What the engine builds once its executor runs: the tokenizer, the grammars, the KV
+        cache's manager, the proposer of speculative drafts and the scheduler."""
+        config, mc = self.config, self.model_config
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
