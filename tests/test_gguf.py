@@ -334,6 +334,15 @@ def test_a_gguf_copies_its_blocks_on_a_named_thread_while_its_tokenizer_builds(
     assert again is not built and again.encode(CORPUS[3]) == built.encode(CORPUS[3])
 
 
+def test_the_longest_token_is_the_built_vocabularys(tmp_path, monkeypatch):
+    """The index takes max_token_chars from the file's tokens, not from the built vocabulary:
+    the same number for the default model's."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    tok = GGUFCheckpoint(SMOLLM).tokenizer()
+    pieces = tok._tok.get_vocab(with_added_tokens=True)
+    assert tok.max_token_chars == max(map(len, pieces)) == 81
+
+
 def test_the_default_model_missing_says_how_to_install(monkeypatch, capsys):
     from importlib import metadata
 
