@@ -245,7 +245,6 @@ def test_threads_are_shared_and_given_back(tiny_model_dir):
     assert not _alive(pid)
 
 
-
 def test_a_start_that_fails_after_the_workers_stops_them(tiny_model_dir, monkeypatch):
     """An error once the group runs (here in the grammar compiler, built after the weights)
     stops the worker at once, while the error is still held, and frees torch.distributed's one
