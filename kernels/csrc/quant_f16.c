@@ -122,15 +122,6 @@ AVX2_INLINE float sum_lanes_avx2(__m256 v) {
 }
 
 AVX2_INLINE void f16_dots_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
-                               const char *row, const int bf16);
-
-/* One of W's rows at a time: AVX2's 16 registers hold one row's accumulators. */
-AVX2_INLINE void f16_dots2_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
-                                const int nc, const char *row, const int bf16) {
-    for (int c = 0; c < nc; c++) f16_dots_avx2(a, r0, mr, n + c, row + c * a->row_bytes, bf16);
-}
-
-AVX2_INLINE void f16_dots_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
                                const char *row, const int bf16) {
     __m256 acc[NS_GEMV_ROWS][2];
 #pragma GCC unroll 4
@@ -147,6 +138,12 @@ AVX2_INLINE void f16_dots_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_
 #pragma GCC unroll 4
     for (int m = 0; m < mr; m++)
         a->out[(r0 + m) * a->ldo + n] = sum_lanes_avx2(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+/* One of W's rows at a time: AVX2's 16 registers hold one row's accumulators. */
+AVX2_INLINE void f16_dots2_avx2(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
+                                const int nc, const char *row, const int bf16) {
+    for (int c = 0; c < nc; c++) f16_dots_avx2(a, r0, mr, n + c, row + c * a->row_bytes, bf16);
 }
 
 AVX2_KERNEL void f16_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
