@@ -236,6 +236,10 @@ class EngineConfig:
         1, "processes the model is split across: one device each on CUDA; on a CPU they share "
         "its threads", aliases=("-tp",), limit=POSITIVE,
     )  # fmt: skip
+    grammar_compile_seconds: float = setting(
+        1.0, "longest a structured-output constraint may take to compile; a longer one is "
+        "refused (400)", limit=_number("a number > 0", lambda v: v > 0),
+    )  # fmt: skip
     watermark: float = setting(
         0.01, "share of the KV blocks a new prompt leaves free for the running sequences",
         limit=_number("a number in [0, 1)", lambda v: 0 <= v < 1), cli=False,

@@ -88,7 +88,9 @@ class Engine:
         self.tokenizer = checkpoint.tokenizer()
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.grammar_compile_seconds
+        )
         self.runner = self.executor.runner  # rank 0's: prepares each step, knows the pool
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
@@ -126,8 +128,11 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (a stop message, then a bounded wait, then
-        a kill). Idempotent; the engine cannot step afterwards."""
+        a kill), and the grammar checker's process. Idempotent; the engine cannot step
+        afterwards."""
         self.executor.close()
+        if hasattr(self, "grammars"):
+            self.grammars.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -4,8 +4,9 @@ tokenizer's vocabulary; each constrained request holds one matcher, advanced wit
 samples (its state depends on the output tokens alone, which survive a preemption), and each step
 the mask of every constrained row is filled in one parallel call and applied before sampling.
 
-Owns the llguidance tokenizer (built on first use) and a cache of checked grammars, behind a lock:
-handlers compile in worker threads while the engine takes matchers from the cache.
+Owns the llguidance tokenizer (built on first use), the checker of new constraints (its child
+processes: nanoserve.grammar) and a cache of checked grammars, behind a lock: handlers compile
+in worker threads while the engine takes matchers from the cache.
 """
 
 from __future__ import annotations
@@ -19,24 +20,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from nanoserve.grammar.checker import (
+    BUILD_STACK,
+    GrammarChecker,
+    closed_schema,
+    grammar_text,
+    on_stack,
+    public_message,
+)
+from nanoserve.grammar.limits import MAX_SCHEMA_DEPTH, GrammarError, check_sizes
+
+__all__ = ["GrammarCompiler", "GrammarError", "StructuredOutputsParams", "closed_schema"]
+
 if TYPE_CHECKING:  # llguidance is imported on first use: a server without constraints needs none
     import llguidance
 
     from nanoserve.tokenizer import Tokenizer
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
-MAX_GRAMMAR_CHARS = 1 << 20  # the longest schema, regex or grammar a request may give
-# Whitespace a JSON output may put between two tokens, unless the request says otherwise: enough
-# for an indented document, bounded so that a small model cannot spend its tokens on blanks.
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
-
-
-class GrammarError(ValueError):
-    """A schema, regex or grammar that cannot be compiled; `param` names the field."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -75,57 +76,23 @@ class StructuredOutputsParams:
                 return k
         return "json_object"
 
+    @property
+    def value(self) -> Any:
+        """The schema, regex, choices or grammar (None for json_object)."""
+        return getattr(self, self.kind, None)
+
     def key(self) -> str:
         """The cache key: the constraint in canonical JSON."""
-        return json.dumps([self.kind, getattr(self, self.kind), self.whitespace_pattern],
-                          sort_keys=True)  # fmt: skip
+        try:
+            return json.dumps([self.kind, self.value, self.whitespace_pattern], sort_keys=True)
+        except RecursionError:  # its sizes are checked after the cache is asked
+            where = f"{self.param}.{self.kind}"
+            message = f"{where}: nested at most {MAX_SCHEMA_DEPTH} deep"
+            raise GrammarError(message, self.param) from None
 
     def to_grammar(self) -> str:
         """llguidance's grammar text for this constraint."""
-        import llguidance
-
-        options: Any = {"whitespace_pattern": JSON_WHITESPACE}
-        if self.whitespace_pattern == "":
-            options = {"whitespace_flexible": False}
-        elif self.whitespace_pattern is not None:
-            options = {"whitespace_pattern": self.whitespace_pattern}
-        m = llguidance.LLMatcher
-        if self.json is not None:
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return m.grammar_from_json_schema(closed_schema(schema), defaults=options)
-        if self.json_object:
-            return m.grammar_from_json_schema({"type": "object"}, defaults=options)
-        if self.regex is not None:
-            return m.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return m.grammar_from_lark("start: " + " | ".join(map(json.dumps, self.choice)))
-        assert self.grammar is not None
-        text = self.grammar
-        if "::=" in text:  # GBNF, as llama.cpp's server takes it
-            from llguidance.gbnf_to_lark import gbnf_to_lark
-
-            try:
-                text = gbnf_to_lark(text)
-            except Exception as e:  # its parser raises plain exceptions
-                raise GrammarError(f"{self.param}.grammar: {e}", self.param) from None
-        return m.grammar_from_lark(text)
-
-
-_VALUES = frozenset(["const", "enum", "default", "examples"])  # JSON values, not schemas
-
-
-def closed_schema(schema: Any) -> Any:
-    """The schema with every object that does not say otherwise taking no keys beyond its
-    properties (`additionalProperties: false`), as vLLM's default backend reads schemas: left
-    open, a small model may add keys until max_tokens."""
-    if isinstance(schema, list):
-        return [closed_schema(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _VALUES else closed_schema(v) for k, v in schema.items()}
-    if out.get("type") == "object" and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+        return grammar_text(self.kind, self.value, self.whitespace_pattern)
 
 
 @dataclass
@@ -138,10 +105,14 @@ class CompiledGrammar:
 
 class GrammarCompiler:
     """Compiles constraints against one tokenizer, caching the result by constraint.
-    Thread-safe; `compile` may take milliseconds (and the first call a second or two, to build
-    llguidance's view of the vocabulary), so servers call it off the event loop."""
+    Thread-safe; `compile` may take milliseconds (and the first call a second or two, to start
+    the checking process), so servers call it off the event loop. A constraint the cache does
+    not hold is checked by size, then in a child process (nanoserve.grammar), then built here.
+    """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: set[int]):
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: set[int], seconds: float = 1.0
+    ):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's
         self._eos = sorted(eos_token_ids)
@@ -149,6 +120,7 @@ class GrammarCompiler:
         self._ll: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._executor: llguidance.LLExecutor | None = None
+        self.checker = GrammarChecker(self._child_setup, seconds)
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         key = spec.key()
@@ -168,6 +140,10 @@ class GrammarCompiler:
         """A new matcher at the start of the constraint."""
         return self.compile(spec).matcher.deep_copy()
 
+    def close(self) -> None:
+        """Stop the checking processes (a later compile starts one again)."""
+        self.checker.close()
+
     @property
     def executor(self) -> llguidance.LLExecutor:
         import llguidance
@@ -177,27 +153,31 @@ class GrammarCompiler:
         return self._executor
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        if spec.kind != "json_object":
+            check_sizes(spec.kind, spec.value, spec.param)
+        self.checker.check(spec.kind, spec.value, spec.whitespace_pattern, spec.param)
+        return on_stack(BUILD_STACK, "grammar-build", lambda: self._build(spec))
+
+    def _build(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """What the child checked, compiled for this process (on a deeper stack than its)."""
         import llguidance
 
-        source = spec.json if spec.json is not None else spec.regex or spec.grammar or ""
-        size = len(source if isinstance(source, str) else json.dumps(source))
-        if size > MAX_GRAMMAR_CHARS:
-            raise GrammarError(
-                f"{spec.param}: {size} characters, more than the {MAX_GRAMMAR_CHARS} allowed",
-                spec.param,
-            )
+        where = f"{spec.param}.{spec.kind}"
         try:
             grammar = spec.to_grammar()
         except (ValueError, TypeError) as e:
-            raise GrammarError(f"{spec.param}.{spec.kind}: {e}", spec.param) from None
-        tokenizer = self._llg_tokenizer()
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if failed:
-            raise GrammarError(f"{spec.param}.{spec.kind}: {_first_line(messages)}", spec.param)
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            raise GrammarError(f"{where}: {public_message(str(e))}", spec.param) from None
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"{spec.param}.{spec.kind}: {matcher.get_error()}", spec.param)
+            raise GrammarError(f"{where}: {public_message(matcher.get_error())}", spec.param)
         return CompiledGrammar(grammar, matcher)
+
+    def _child_setup(self) -> dict[str, Any]:
+        return {
+            "tokenizer": self._tokenizer.backend_json(),
+            "n_vocab": self._vocab_size,
+            "eos": self._eos,
+        }
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         import llguidance
@@ -208,11 +188,6 @@ class GrammarCompiler:
                     self._tokenizer.backend_json(), n_vocab=self._vocab_size, eos_token=self._eos
                 )
             return self._ll
-
-
-def _first_line(messages: list[str]) -> str:
-    text = "; ".join(messages) or "invalid"
-    return text.strip().splitlines()[0] if text.strip() else "invalid"
 
 
 def mask_logits(
