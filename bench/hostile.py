@@ -5,9 +5,12 @@
 
 Cases: `huge_prompt` (a 3 MB prompt, six at once), `echo_logprobs` (echo + logprobs 20 of an
 8,000-token prompt, n=4), `many_prompts` (one request of 256 prompts), `stops` (16 stop
-strings, n=4), `stops_200k` (200,000 of them). For each: the longest /health answer and the
-short completion's latency while the heavy request runs, against the same probes on the idle
-server. Prints a table and writes bench/results/hostile.json, with the machine's CPU count and
+strings, n=4), `stops_200k` (200,000 of them); constraints: `grammar_chain` (a Lark grammar of
+3,000 chained rules), `schema_cycle` (`{"$ref": "#"}`), `choices_100k` (100,000 choices),
+`slow_regex` (a regex whose compile passes the time limit), `slow_regex_x4` (four at once),
+`alternation_20k` (a Lark alternation of 20,000 strings). For each: the longest /health answer
+and the short completion's latency while the heavy request runs, against the same probes on the
+idle server. Prints a table and writes bench/results/hostile.json, with the machine's CPU count and
 load average before and after (a shared machine makes every figure slower).
 """
 
@@ -44,11 +47,27 @@ def cases() -> dict[str, list[dict[str, Any]]]:
             {"prompt": TEXT, "max_tokens": 64, "n": 4, "ignore_eos": True,
              "stop": [f"never-{i:04d}" for i in range(16)]}
         ],
+        "grammar_chain": [_constrained(grammar=_chain(3000))],
+        "schema_cycle": [_constrained(json={"$ref": "#"})],
+        "choices_100k": [_constrained(choice=[f"option {i}" for i in range(100_000)])],
+        "slow_regex": [_constrained(regex="(a{1000}){1000}")],
+        "slow_regex_x4": [_constrained(regex=f"(a{{1000}}){{{1000 + i}}}") for i in range(4)],
+        "alternation_20k": [_constrained(grammar="start: " + " | ".join(
+            f'"w{i}"' for i in range(20_000)))],
         "stops_200k": [
             {"prompt": TEXT, "max_tokens": 64, "n": 4, "ignore_eos": True,
              "stop": [f"never-{i:06d}" for i in range(200_000)]}
         ],
     }  # fmt: skip
+
+
+def _constrained(**constraint: Any) -> dict[str, Any]:
+    return {"prompt": TEXT, "max_tokens": 8, "structured_outputs": constraint}
+
+
+def _chain(rules: int) -> str:
+    lines = [f'r{i}: "t{i}" r{i + 1} | "e"' for i in range(rules)]
+    return "\n".join(["start: r0", *lines, f'r{rules}: "z"'])
 
 
 async def probe(http: httpx.AsyncClient, done: trio.Event) -> tuple[float, float]:
@@ -103,7 +122,8 @@ async def main(names: list[str], model: Path) -> None:
         live_server(model, kv_cache_memory_gb=2.0) as server,
         httpx.AsyncClient(base_url=server.url, timeout=600) as http,
     ):
-        await http.post(C, json=SHORT)  # warm up
+        await http.post(C, json=SHORT)  # warm up, the grammar checker's process too
+        await http.post(C, json=_constrained(choice=["yes", "no"]))
         done = trio.Event()
         done.set()
         idle = await probe(http, done)

@@ -237,7 +237,7 @@ class EngineConfig:
         "its threads", aliases=("-tp",), limit=POSITIVE,
     )  # fmt: skip
     grammar_compile_seconds: float = setting(
-        1.0, "longest a structured-output constraint may take to compile; a longer one is "
+        0.8, "longest a structured-output constraint may take to compile; a longer one is "
         "refused (400)", limit=_number("a number > 0", lambda v: v > 0),
     )  # fmt: skip
     watermark: float = setting(

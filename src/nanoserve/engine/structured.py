@@ -111,7 +111,7 @@ class GrammarCompiler:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: set[int], seconds: float = 1.0
+        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: set[int], seconds: float = 0.8
     ):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's

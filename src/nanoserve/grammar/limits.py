@@ -60,7 +60,7 @@ def parse_schema(value: Any, where: str, param: str) -> Any:
     try:
         return json.loads(value)
     except RecursionError:
-        raise GrammarError(f"{where}: nested more than {MAX_SCHEMA_DEPTH} deep", param) from None
+        raise GrammarError(f"{where}: nested at most {MAX_SCHEMA_DEPTH} deep", param) from None
     except ValueError as e:
         raise GrammarError(f"{where}: not valid JSON ({e})", param) from None
 
