@@ -219,8 +219,11 @@ LEAVES = st.one_of(
 def _object(children):
     return st.dictionaries(NAMES, children, max_size=3).flatmap(
         lambda props: st.lists(st.sampled_from(sorted(props) or ["a"]), max_size=3).map(
-            lambda required: {"type": "object", "properties": props,
-                              "required": sorted(set(required) & set(props))}  # fmt: skip
+            lambda required: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(set(required) & set(props)),
+            }  # fmt: skip
         )
     )
 
@@ -229,8 +232,11 @@ SCHEMAS = st.recursive(
     LEAVES,
     lambda children: st.one_of(
         _object(children),
-        st.builds(lambda items, n: {"type": "array", "items": items, "minItems": n},
-                  children, st.integers(0, 2)),  # fmt: skip
+        st.builds(
+            lambda items, n: {"type": "array", "items": items, "minItems": n},
+            children,
+            st.integers(0, 2),
+        ),  # fmt: skip
         st.lists(children, min_size=1, max_size=3).map(lambda options: {"anyOf": options}),
     ),
     max_leaves=8,

@@ -143,19 +143,24 @@ def _ends(node: Any, ending: set[str], root: Any, depth: int = 0) -> bool:
     types = node.get("type")
     if isinstance(types, list) and any(t not in ("object", "array") for t in types):
         return True  # a string, number, boolean or null ends it
-    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    required = node.get("required") if isinstance(node.get("required"), list) else []
+    properties = _of_type(node.get("properties"), dict)
+    required = _of_type(node.get("required"), list)
     if not all(ends(properties[name]) for name in required if name in properties):
         return False
     items = node.get("items")
     min_items = node.get("minItems", 0)
     if isinstance(min_items, int) and min_items > 0:
-        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        prefix = _of_type(node.get("prefixItems"), list)
         if not all(map(ends, prefix[:min_items])):
             return False
         if min_items > len(prefix) and items is not None and not ends(items):
             return False
     return True
+
+
+def _of_type(value: Any, kind: type) -> Any:
+    """`value` if it is a `kind` (a dict or a list), else an empty one."""
+    return value if isinstance(value, kind) else kind()
 
 
 def _local_refs(schema: Any) -> dict[str, Any]:
