@@ -2,8 +2,8 @@
 response_format (json_object, json_schema and the SDK's parse() with a pydantic model), vLLM's
 structured_outputs and guided_* fields, tools with tool_choice required, named and auto, a tool
 round trip with the call and its result in the history, streamed equal to unary, tool schemas
-that refer to their own definitions ($defs, definitions, #), and bad constraints refused with a
-400 naming the field before anything is queued."""
+that refer to their own definitions ($defs, definitions, #), a forced call cut by max_tokens, and
+bad constraints refused with a 400 naming the field before anything is queued."""
 
 import json
 import re
@@ -365,6 +365,26 @@ async def test_forced_calls_with_a_recursive_schema(client):
     assert any(a["children"] for a in arguments)  # the samples did take the reference
 
 
+@pytest.mark.parametrize("max_tokens", [1, 8, 24])
+@pytest.mark.parametrize("choice", ["required", "named"])
+async def test_a_forced_call_cut_by_max_tokens_is_no_call_and_no_content(
+    client, choice, max_tokens
+):
+    """Cut before the call is complete: finish_reason "length", no calls, and none of the call's
+    markup as content (null), unary and streamed."""
+    tool_choice = choice if choice == "required" else {
+        "type": "function", "function": {"name": "get_weather"}}  # fmt: skip
+    body = {"messages": USER, "tools": [NESTED, TIME], "tool_choice": tool_choice,
+            "max_tokens": max_tokens, "seed": 0, "temperature": 1.0}  # fmt: skip
+    reply = await client.chat.completions.create(model=MODEL_NAME, **body)
+    choice_ = reply.choices[0]
+    assert choice_.finish_reason == "length"
+    assert choice_.message.content is None and not choice_.message.tool_calls
+    assert reply.usage.completion_tokens == max_tokens
+    calls, content, finish = await _streamed_calls(client, **body)
+    assert (calls, content, finish) == ([], "", "length")
+
+
 MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]  # fmt: skip
 
@@ -391,7 +411,8 @@ def mistral_dir(tiny_model_factory, tmp_path_factory):
 async def test_mistral_calls_with_its_control_token_and_9_character_ids(mistral_dir):
     """A template with [TOOL_CALLS]: a required call is the control token and a JSON list, read
     back as OpenAI's calls with ids of 9 letters and digits, which the template takes back in the
-    history (it raises on any other); a tool with `$defs`, in that list."""
+    history (it raises on any other); a tool with `$defs`, and a required call cut short, in that
+    list."""
     async with (
         live_server(mistral_dir, num_kv_blocks=256) as server,
         openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
@@ -409,6 +430,11 @@ async def test_mistral_calls_with_its_control_token_and_9_character_ids(mistral_
         assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
         for call in reply.choices[0].message.tool_calls:
             WeatherQuery.model_validate_json(call.function.arguments)
+        cut = await client.chat.completions.create(model=MODEL_NAME, max_tokens=3, **required)
+        assert cut.choices[0].finish_reason == "length"
+        assert cut.choices[0].message.content is None and not cut.choices[0].message.tool_calls
+        calls, content, finish = await _streamed_calls(client, max_tokens=3, **required)
+        assert (calls, content, finish) == ([], "", "length")
 
 
 async def test_a_tool_token_missing_from_the_vocabulary_is_refused(mistral_dir, tmp_path):
