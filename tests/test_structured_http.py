@@ -385,6 +385,16 @@ async def test_a_forced_call_cut_by_max_tokens_is_no_call_and_no_content(
     assert (calls, content, finish) == ([], "", "length")
 
 
+async def test_at_most_128_tools(server):
+    """OpenAI's limit: each tool is in the prompt, and in the grammar of a required call."""
+    tools = [_function(f"f{i}", {"type": "object"}) for i in range(129)]
+    error = _error(await server.http.post(X, json={"messages": USER, "tools": tools}))
+    assert error["param"] == "tools" and "at most 128 tools (got 129)" in error["message"]
+    # 128 pass (and make a prompt longer than the tiny model's context)
+    body = {"messages": USER, "tools": tools[:128], "max_tokens": 1}
+    assert _error(await server.http.post(X, json=body))["param"] == "prompt"
+
+
 MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]  # fmt: skip
 
