@@ -1,12 +1,14 @@
 """Structured outputs and tool calls through a real server and the official openai client:
 response_format (json_object, json_schema and the SDK's parse() with a pydantic model), vLLM's
 structured_outputs and guided_* fields, tools with tool_choice required, named and auto, a tool
-round trip with the call and its result in the history, streamed equal to unary, and bad
-constraints refused with a 400 naming the field before anything is queued."""
+round trip with the call and its result in the history, streamed equal to unary, tool schemas
+that refer to their own definitions ($defs, definitions, #), a forced call cut by max_tokens, and
+bad constraints refused with a 400 naming the field before anything is queued."""
 
 import json
 import re
 from pathlib import Path
+from typing import Literal
 
 import jsonschema
 import openai
@@ -56,6 +58,46 @@ class Answer(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     answer: str = pydantic.Field(max_length=8)
     score: int = pydantic.Field(ge=0, le=9)
+
+
+class WeatherOptions(pydantic.BaseModel):
+    unit: Literal["C", "F"]
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+class WeatherQuery(pydantic.BaseModel):
+    """Its schema, as pydantic writes a nested model: the nested one in `$defs`, a `$ref` to
+    `#/$defs/WeatherOptions` where it is used."""
+
+    city: str = pydantic.Field(max_length=8)
+    options: WeatherOptions
+
+
+NESTED = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": WeatherQuery.model_json_schema()},
+}
+# Older pydantic (and other writers) put the definitions under `definitions`; a string that
+# looks like a reference (in `const`) is a value, not a reference.
+DEFINITIONS = {
+    "definitions": {
+        "Zone": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        }
+    },
+    "type": "object",
+    "properties": {"where": {"$ref": "#/definitions/Zone"}, "kind": {"const": "#/definitions"}},
+    "required": ["where", "kind"],
+}
+# A tree: `#` is the tool's own schema.
+RECURSIVE = {
+    "type": "object",
+    "properties": {"value": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+    "required": ["value", "children"],
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -146,6 +188,9 @@ async def test_vllm_fields_on_both_endpoints(server):
         ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
          "tools.0.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+          "type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}}}],
+          "tool_choice": "required"}, "tools"),
     ],
 )  # fmt: skip
 async def test_a_bad_constraint_is_a_400_naming_the_field(server, fields, param):
@@ -231,6 +276,125 @@ async def test_streamed_tool_calls_in_openai_shape(server, client):
     assert names == ["get_weather"]
 
 
+def _function(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+async def _streamed_calls(client, **body) -> tuple[list, str, str | None]:
+    """A streamed chat completion's calls (name and arguments put together), its content and its
+    finish reason."""
+    stream = await client.chat.completions.create(model=MODEL_NAME, stream=True, **body)
+    calls: dict[int, list] = {}
+    content, finish = "", None
+    async for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        finish = choice.finish_reason or finish
+        for part in choice.delta.tool_calls or []:
+            call = calls.setdefault(part.index, ["", ""])
+            call[0] += part.function.name or ""
+            call[1] += part.function.arguments or ""
+    return [calls[k] for k in sorted(calls)], content, finish
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+async def test_forced_calls_of_a_pydantic_model_with_defs(client, choice):
+    """A tool whose schema refers to its own `$defs` (a pydantic model nesting another): a
+    forced call, unary and streamed, has arguments the model validates, as the same schema
+    does as a response_format."""
+    tool_choice = choice if choice == "required" else {
+        "type": "function", "function": {"name": "get_weather"}}  # fmt: skip
+    for seed in range(2):
+        body = {"messages": USER, "tools": [NESTED, TIME], "tool_choice": tool_choice,
+                "max_tokens": 300, "seed": seed, "temperature": 1.0,
+                "parallel_tool_calls": False}  # fmt: skip
+        reply = await client.chat.completions.create(model=MODEL_NAME, **body)
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
+        (call,) = reply.choices[0].message.tool_calls
+        if call.function.name == "get_weather":
+            WeatherQuery.model_validate_json(call.function.arguments)
+        calls, content, finish = await _streamed_calls(client, **body)
+        assert calls == [[call.function.name, call.function.arguments]]
+        assert (content, finish) == ("", "tool_calls")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = await client.chat.completions.create(
+        model=MODEL_NAME, messages=USER, tools=[NESTED], tool_choice=named, max_tokens=300,
+        seed=5, temperature=1.0,
+    )  # fmt: skip
+    WeatherQuery.model_validate_json(reply.choices[0].message.tool_calls[0].function.arguments)
+
+
+async def _forced_arguments(client, schema: dict) -> list:
+    """The arguments of forced calls (tool_choice "required" and named, a few seeds, 4 choices
+    each) of a tool "f" with `schema`, offered among others."""
+    tools = [TIME, _function("f", schema)]
+    named = {"type": "function", "function": {"name": "f"}}
+    arguments = []
+    for seed in range(3):
+        for tool_choice in ("required", named):
+            reply = await client.chat.completions.create(
+                model=MODEL_NAME, messages=USER, tools=tools, tool_choice=tool_choice,
+                max_tokens=300, seed=seed, temperature=1.0, parallel_tool_calls=False, n=4,
+            )  # fmt: skip
+            for choice in reply.choices:
+                assert choice.finish_reason == "tool_calls", choice
+                calls = [c.function for c in choice.message.tool_calls if c.function.name == "f"]
+                arguments += [json.loads(f.arguments) for f in calls]
+    return arguments
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [DEFINITIONS, {"$id": "https://example.com/z.json", **DEFINITIONS}],
+    ids=["plain", "$id"],
+)
+async def test_forced_calls_with_definitions(client, schema):
+    """`#/definitions/...` refers to the tool's own definitions (with an `$id`, to that
+    document's, which is the tool's)."""
+    arguments = await _forced_arguments(client, schema)
+    assert arguments
+    for a in arguments:
+        jsonschema.validate(a, schema)
+
+
+async def test_forced_calls_with_a_recursive_schema(client):
+    """`#` refers to the tool's own schema: a child is a tree, not a call."""
+    arguments = await _forced_arguments(client, RECURSIVE)
+    for a in arguments:
+        jsonschema.validate(a, RECURSIVE)
+    assert any(a["children"] for a in arguments)  # the samples did take the reference
+
+
+@pytest.mark.parametrize("max_tokens", [1, 8, 24])
+@pytest.mark.parametrize("choice", ["required", "named"])
+async def test_a_forced_call_cut_by_max_tokens_is_no_call_and_no_content(
+    client, choice, max_tokens
+):
+    """Cut before the call is complete: finish_reason "length", no calls, and none of the call's
+    markup as content (null), unary and streamed."""
+    tool_choice = choice if choice == "required" else {
+        "type": "function", "function": {"name": "get_weather"}}  # fmt: skip
+    body = {"messages": USER, "tools": [NESTED, TIME], "tool_choice": tool_choice,
+            "max_tokens": max_tokens, "seed": 0, "temperature": 1.0}  # fmt: skip
+    reply = await client.chat.completions.create(model=MODEL_NAME, **body)
+    choice_ = reply.choices[0]
+    assert choice_.finish_reason == "length"
+    assert choice_.message.content is None and not choice_.message.tool_calls
+    assert reply.usage.completion_tokens == max_tokens
+    calls, content, finish = await _streamed_calls(client, **body)
+    assert (calls, content, finish) == ([], "", "length")
+
+
+async def test_at_most_128_tools(server):
+    """OpenAI's limit: each tool is in the prompt, and in the grammar of a required call."""
+    tools = [_function(f"f{i}", {"type": "object"}) for i in range(129)]
+    error = _error(await server.http.post(X, json={"messages": USER, "tools": tools}))
+    assert error["param"] == "tools" and "at most 128 tools (got 129)" in error["message"]
+    # 128 pass (and make a prompt longer than the tiny model's context)
+    body = {"messages": USER, "tools": tools[:128], "max_tokens": 1}
+    assert _error(await server.http.post(X, json=body))["param"] == "prompt"
+
+
 MISTRAL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                   "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]  # fmt: skip
 
@@ -257,7 +421,8 @@ def mistral_dir(tiny_model_factory, tmp_path_factory):
 async def test_mistral_calls_with_its_control_token_and_9_character_ids(mistral_dir):
     """A template with [TOOL_CALLS]: a required call is the control token and a JSON list, read
     back as OpenAI's calls with ids of 9 letters and digits, which the template takes back in the
-    history (it raises on any other)."""
+    history (it raises on any other); a tool with `$defs`, and a required call cut short, in that
+    list."""
     async with (
         live_server(mistral_dir, num_kv_blocks=256) as server,
         openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client,
@@ -269,6 +434,17 @@ async def test_mistral_calls_with_its_control_token_and_9_character_ids(mistral_
             temperature=0,
         )  # fmt: skip
         assert final.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        required = {"messages": USER, "tools": [NESTED], "tool_choice": "required",
+                    "temperature": 1.0, "seed": 1}  # fmt: skip
+        reply = await client.chat.completions.create(model=MODEL_NAME, max_tokens=300, **required)
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0]
+        for call in reply.choices[0].message.tool_calls:
+            WeatherQuery.model_validate_json(call.function.arguments)
+        cut = await client.chat.completions.create(model=MODEL_NAME, max_tokens=3, **required)
+        assert cut.choices[0].finish_reason == "length"
+        assert cut.choices[0].message.content is None and not cut.choices[0].message.tool_calls
+        calls, content, finish = await _streamed_calls(client, max_tokens=3, **required)
+        assert (calls, content, finish) == ([], "", "length")
 
 
 async def test_a_tool_token_missing_from_the_vocabulary_is_refused(mistral_dir, tmp_path):

@@ -20,6 +20,7 @@ MAX_SEQUENCES = 256  # prompts x n in one request: each one is a sequence in the
 MAX_STOP = 16  # stop strings in one request (OpenAI allows 4)
 MAX_STOP_CHARS = 4096  # their total length
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids in one request
+MAX_TOOLS = 128  # tools in one chat request, OpenAI's limit: each one is in the prompt and grammar
 # Keys of chat_template_kwargs that the server itself sets: a client may not override them.
 SERVER_TEMPLATE_KEYS = frozenset(
     ["messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
@@ -415,6 +416,10 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if len(self.tools or []) > MAX_TOOLS:
+            raise InvalidRequest(
+                f"tools: at most {MAX_TOOLS} tools (got {len(self.tools or [])})", "tools"
+            )
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise InvalidRequest("tool_choice needs tools", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):

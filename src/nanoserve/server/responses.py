@@ -241,10 +241,13 @@ def _joined(
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """The tools a chat request offered: how their calls look, and their names."""
+    """The tools a chat request offered: how their calls look, and their names. `required`: a
+    call was forced (tool_choice "required" or a named function), so the whole output is calls:
+    none of it is content, even cut short by max_tokens before a call is complete."""
 
     syntax: ToolSyntax
     names: frozenset[str]
+    required: bool = False
 
 
 @dataclass
@@ -258,7 +261,8 @@ class _Calls:
 class ChatFormat(ResponseFormat):
     """Chat completions. With tools, each choice's text is read for calls: before the first one
     it is content; each complete call becomes a `tool_calls` entry (streamed: its id and name,
-    then its arguments), and the choice ends with finish_reason "tool_calls"."""
+    then its arguments), and the choice ends with finish_reason "tool_calls". When a call was
+    required, the text is never content: a call cut short is no call, and no markup."""
 
     def __init__(
         self,
@@ -298,7 +302,7 @@ class ChatFormat(ResponseFormat):
         else:
             end = len(c.text) if done else tools.syntax.may_start(c.text)
         deltas: list[dict[str, Any]] = []
-        if end > state.content_sent and not state.ids:
+        if end > state.content_sent and not state.ids and not tools.required:
             deltas.append({"content": c.text[state.content_sent : end]})
             state.content_sent = end
         for k, call in enumerate(calls[len(state.ids) :], start=len(state.ids)):
@@ -356,7 +360,7 @@ class ChatFormat(ResponseFormat):
             if self.tools is not None:
                 content, calls = self.tools.syntax.parse(c.text, set(self.tools.names))
                 message = ChatMessageOut(
-                    content=content,
+                    content=None if self.tools.required else content,
                     tool_calls=[
                         ToolCall(id=self.tools.syntax.call_id(), function=FunctionCall(**call))
                         for call in calls

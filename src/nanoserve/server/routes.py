@@ -151,7 +151,7 @@ class OpenAIServer:
             params.skip_special_tokens = False
         tools = None
         if offered:
-            tools = ToolPlan(syntax, frozenset(t["name"] for t in offered))
+            tools = ToolPlan(syntax, frozenset(t["name"] for t in offered), bool(required))
         fmt = ChatFormat(
             self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, tools
         )

@@ -38,17 +38,22 @@ class ToolSyntax:
     ) -> StructuredOutputsParams:
         """A call (or several, when `parallel`) of one of `tools`, its arguments matching that
         function's JSON schema. open_id: the token id of a `special` opener."""
+        # Each tool's schema sits inside the call's; its local `$ref`s are made to point there.
+        at = [""] if len(tools) == 1 else [f"/anyOf/{k}" for k in range(len(tools))]
         bodies = [
             {
                 "type": "object",
                 "properties": {
                     "name": {"const": t["name"]},
-                    self.arguments: closed_schema(t.get("parameters") or {"type": "object"}),
+                    self.arguments: rebased(
+                        closed_schema(t.get("parameters") or {"type": "object"}),
+                        f"{where}/properties/{self.arguments}",
+                    ),
                 },
                 "required": ["name", self.arguments],
                 "additionalProperties": False,
             }
-            for t in tools
+            for t, where in zip(tools, at, strict=True)
         ]
         body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
         # Calls are written on one line, `{"name": "f", "arguments": {...}}`, as the templates
@@ -145,6 +150,31 @@ class ToolSyntax:
         if not stripped or stripped[0] in "{<":
             return 0  # bare JSON calls are the whole answer
         return len(text)
+
+
+_VALUES = frozenset(["const", "enum", "default", "examples"])  # JSON values, not schemas
+# Maps of names (a property's, a definition's) to schemas: a name is not a keyword.
+_NAMED = frozenset(["properties", "patternProperties", "$defs", "definitions", "dependentSchemas"])
+
+
+def rebased(schema: Any, pointer: str) -> Any:
+    """`schema` as it reads placed at JSON pointer `pointer` of a larger schema: each local
+    `$ref` (`#`, or `#/` and a pointer: `#/$defs/...`, `#/definitions/...`) points under
+    `pointer`, so that it still names the part of `schema` it named. Other references (another
+    document's, an anchor's), JSON values (`const`, `enum`, ...) and a part with its own `$id`
+    (its references start from it: a document of its own) are left as they are."""
+    if isinstance(schema, list):
+        return [rebased(x, pointer) for x in schema]
+    if not isinstance(schema, dict) or isinstance(schema.get("$id"), str):
+        return schema
+    out = {k: v if k in _VALUES else rebased(v, pointer) for k, v in schema.items()}
+    for k in _NAMED & out.keys():
+        if isinstance(schema[k], dict):
+            out[k] = {name: rebased(v, pointer) for name, v in schema[k].items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + pointer + ref[1:]
+    return out
 
 
 HERMES = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
