@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.grammar.checker import GrammarChecker
+from nanoserve.grammar.checker import GrammarChecker, closed_schema
 from nanoserve.grammar.limits import (
     MAX_CHOICES,
     MAX_RULES,
@@ -323,3 +323,15 @@ def test_every_answer_is_a_named_400_or_keeps_its_constraint(server, constraint,
         if choice["finish_reason"] == "stop":  # a whole output: it matches
             assert keeps(kind, value, choice["text"]), choice
     server.alive()
+
+
+def test_an_embedded_schema_is_no_grammar_syntax():
+    """A tool's description may say "~5000": only the grammar's own `~n` is a repetition."""
+    check_sizes("grammar", 'start: body\nbody: %json {"description": "~5000 words"}', "tools")
+    with pytest.raises(GrammarError, match="repetition counts at most"):
+        check_sizes("grammar", 'start: "a"~5000', "tools")
+
+
+def test_a_property_named_like_a_keyword_is_closed_as_any_other():
+    schema = {"type": "object", "properties": {"const": {"type": "object"}}}
+    assert closed_schema(schema)["properties"]["const"]["additionalProperties"] is False

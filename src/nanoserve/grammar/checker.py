@@ -42,6 +42,8 @@ MEMORY_LIMIT = 4 << 30  # a child's address space: a compile that would take mor
 # for an indented document, bounded so that a small model cannot spend its tokens on blanks.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
 _VALUES = frozenset(["const", "enum", "default", "examples"])  # JSON values, not schemas
+# Maps of names (a property's, a definition's) to schemas: a name there is not a keyword.
+_NAMED = frozenset(["properties", "patternProperties", "$defs", "definitions", "dependentSchemas"])
 
 T = TypeVar("T")
 
@@ -55,6 +57,9 @@ def closed_schema(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: v if k in _VALUES else closed_schema(v) for k, v in schema.items()}
+    for k in _NAMED & out.keys():  # a property named "const" is a schema all the same
+        if isinstance(schema[k], dict):
+            out[k] = {name: closed_schema(v) for name, v in schema[k].items()}
     if out.get("type") == "object" and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
