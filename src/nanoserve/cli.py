@@ -200,11 +200,17 @@ def _config(config_class: type[Config], args: argparse.Namespace) -> Config:
     try:
         return config_class(**values)
     except SettingError as e:
-        name, _, key = e.name.partition(".")  # a key of a structured setting, if any
-        flag = next(_flag(f, s) for f, s in settings if f.name == name)
-        where = f"{flag} {key}" if key else flag
-        default = f" (default: {e.unset})" if e.unset else ""
-        raise UsageError(f"{where} must be {e.rule}{default}, got {e.value}") from None
+        raise _usage_error(e, config_class) from None
+
+
+def _usage_error(e: SettingError, config_class: type) -> UsageError:
+    """A setting's error as one line naming its flag."""
+    settings = described(config_class)
+    name, _, key = e.name.partition(".")  # a key of a structured setting, if any
+    flag = next(_flag(f, s) for f, s in settings if f.name == name)
+    where = f"{flag} {key}" if key else flag
+    default = f" (default: {e.unset})" if e.unset else ""
+    return UsageError(f"{where} must be {e.rule}{default}, got {e.value}")
 
 
 def _model(args: argparse.Namespace) -> tuple[Path, str]:
@@ -249,12 +255,14 @@ def _check_config(path: Path) -> None:
 
 def _engine(model: Path, config: EngineConfig) -> Any:
     start = time.monotonic()
-    from nanoserve.engine import Engine
+    from nanoserve.engine import Engine, NotEnoughMemory
 
     log.info("torch imported in %.1f s; reading the weights", time.monotonic() - start)
     _check_cuda(config)
     try:
         return Engine(model, config)
+    except NotEnoughMemory as e:  # the KV cache asked for is more than this machine has left
+        raise _usage_error(e, EngineConfig) from None
     except (ValueError, FileNotFoundError) as e:  # a model nanoserve cannot run: one line
         raise UsageError(str(e)) from None
 
@@ -315,8 +323,9 @@ def _run_server(
     serving = Serving(engine, max_queue=config.max_queue)
     app = create_app(serving, name, config.api_key, config.max_body_bytes)
     log.info(
-        "model %r loaded in %.1f s: %d KV blocks of %d tokens, context %d tokens",
-        name, load_s, engine.num_blocks, engine.config.block_size, engine.max_model_len,
+        "model %r loaded in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %s), context %d tokens",
+        name, load_s, engine.num_blocks, engine.config.block_size, engine.kv_cache_bytes / 2**30,
+        engine.config.dtype, engine.max_model_len,
     )  # fmt: skip
     if engine.worker_pids:
         pids = ", ".join(map(str, engine.worker_pids))

@@ -4,6 +4,10 @@ that read those nanoserve reads itself. Imports nothing of nanoserve, and no tor
 NANOSERVE_CACHE (default ~/.cache/nanoserve): where the demo model and GGUF indexes are kept.
 NANOSERVE_TP_TIMEOUT (default 60): seconds a tensor-parallel rank waits in a collective of a step
     before the step fails.
+NANOSERVE_MEMORY_LIMIT_BYTES (default unset): the bytes this process may hold in all, in place
+    of what MemAvailable and the cgroup limits leave it (engine/memory.py): the KV cache and the
+    working margin must fit in this less what the process holds when it checks. For tests, or to
+    count on memory the kernel does not report as available (swap).
 GOMP_SPINCOUNT (set to 100000 on import, unless the user set it or OMP_WAIT_POLICY): how long an
     idle OpenMP thread spins before it sleeps; see set_openmp_defaults.
 NANOSERVE_ISA (default: the best the CPU runs): caps the quantized matmuls' path at portable,
@@ -38,6 +42,16 @@ def tp_timeout_s() -> float:
     if not seconds > 0:
         raise ValueError(f"NANOSERVE_TP_TIMEOUT must be a number of seconds > 0, got {text!r}")
     return seconds
+
+
+def memory_limit_bytes() -> int | None:
+    """NANOSERVE_MEMORY_LIMIT_BYTES, or None when unset."""
+    text = os.environ.get("NANOSERVE_MEMORY_LIMIT_BYTES")
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"NANOSERVE_MEMORY_LIMIT_BYTES must be a number of bytes, got {text!r}")
+    return int(text)
 
 
 def set_openmp_defaults() -> None:

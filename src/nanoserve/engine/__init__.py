@@ -2,6 +2,7 @@
 are used; the scheduler, the KV cache manager and the requests stay inside."""
 
 from nanoserve.engine.engine import Engine, EngineStats, RequestRejected, SchedulerStalled
+from nanoserve.engine.memory import NotEnoughMemory
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.sampling import Logprob, SamplingParams
 from nanoserve.engine.structured import GrammarError, StructuredOutputsParams, closed_schema
@@ -14,6 +15,7 @@ __all__ = [
     "EngineStats",
     "GrammarError",
     "Logprob",
+    "NotEnoughMemory",
     "RequestMetrics",
     "RequestOutput",
     "RequestRejected",

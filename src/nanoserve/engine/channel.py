@@ -26,7 +26,7 @@ IDLE = timedelta(days=365)
 FIRST = 512  # int64s of a message's first broadcast (a decode step of a few sequences fits)
 STOP = 0  # the message kind that stops a worker; a method's kind is its index in METHODS + 1
 # The runner methods rank 0 runs on every rank. Each takes a step's inputs or nothing.
-METHODS = ("execute", "cache_blocks")
+METHODS = ("execute", "cache_blocks", "take_kv_cache")
 GATHERED = {"cache_blocks"}  # methods whose result, an int on each rank, comes back to rank 0
 ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 

@@ -14,6 +14,7 @@ the request finishes.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from nanoserve.engine.draft_model import DraftModelProposer
 from nanoserve.engine.executor import start_executor
 from nanoserve.engine.kv_cache import cdiv
 from nanoserve.engine.kv_manager import KVCacheManager
-from nanoserve.engine.model_runner import resolve_dtype
+from nanoserve.engine.memory import Pools, check_fits, gib, headroom, working_margin
+from nanoserve.engine.model_runner import ModelRunner, resolve_dtype
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
@@ -35,6 +37,8 @@ from nanoserve.engine.spec_decode import NgramProposer, SpecStats
 from nanoserve.engine.structured import GrammarCompiler, GrammarError, mask_logits
 from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
 from nanoserve.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
@@ -106,6 +110,7 @@ class Engine:
             )  # fmt: skip
         elif spec is not None:
             self.proposer = NgramProposer(spec, self.max_model_len)
+        self._take_pools()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             config.max_num_seqs,
@@ -120,6 +125,52 @@ class Engine:
         self._generated = 0
         self._computed = 0
         self._mask_s = 0.0
+
+    def _take_pools(self) -> None:
+        """Write every KV pool this engine allocated (each rank's, a draft model's), so that its
+        memory is held from the start; on a CPU, first check that the pools and a working
+        margin fit in what this host has left (engine/memory.py). On CUDA the pool was sized
+        from the device's free memory, and its allocation is already memory."""
+        draft = self.proposer.runner if isinstance(self.proposer, DraftModelProposer) else None
+        if self.runner.device.type == "cpu":
+            pools, room = self._pools(draft), headroom()
+            check_fits(self.config, pools, room)
+            log.info(
+                "memory: KV cache %s, weights %s, working margin %s; %s may be taken (%s)",
+                *map(gib, (pools.pool, pools.weights, pools.margin, room.bytes)), room.source,
+            )  # fmt: skip
+        start = time.monotonic()
+        self.executor.call("take_kv_cache")
+        if draft is not None:
+            draft.take_kv_cache()
+        log.info("KV cache written in %.1f s", time.monotonic() - start)
+
+    def _pools(self, draft: ModelRunner | None) -> Pools:
+        """The pools about to be written on this host: rank 0's and the spawned ranks' (each a
+        share of the same blocks), and a draft model's, with what their weights hold."""
+        ranks = 1 + len(self.executor.pids)  # ranks started by hand may be on other machines
+        runner, mc = self.runner, self.model_config
+        block, weights = runner.block_bytes * ranks, runner.model_bytes * ranks
+        if draft is not None:
+            block, weights = block + draft.block_bytes, weights + draft.model_bytes
+        return Pools(
+            blocks=self.num_blocks,
+            block_bytes=block,
+            setting_block_bytes=runner.block_bytes * self.config.tensor_parallel_size,
+            margin_at=lambda context: working_margin(mc, self.config, context) * ranks,
+            context=self.max_model_len,
+            weights=weights,
+            dtype=self.config.dtype,
+            draft=draft is not None,
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV pools this engine holds on this host: every local rank's share, and a
+        draft model's."""
+        draft = self.proposer.runner if isinstance(self.proposer, DraftModelProposer) else None
+        own = self.runner.kv_cache_bytes * (1 + len(self.executor.pids))
+        return own + (draft.kv_cache_bytes if draft is not None else 0)
 
     def check_health(self) -> None:
         """Raise (WorkerFailed) if the engine can no longer step: a tensor-parallel worker died.

@@ -1,6 +1,10 @@
 """The paged KV cache's tensors and geometry: per-layer key/value tensors shaped in blocks, their
 size in bytes, and the block arithmetic (`cdiv`, `slot`) that everything else uses. Which block
 belongs to whom is the block pool's (engine/block_pool.py), behind the KV cache manager.
+
+The tensors are allocated unwritten, then written whole (`take_cache`) once the engine has
+checked that they fit in memory (engine/memory.py): on a CPU an unwritten page is not yet
+memory, and a pool taken a page at a time under load runs out of memory hours after start.
 """
 
 from __future__ import annotations
@@ -38,8 +42,7 @@ def allocate_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, keys and values shaped [num_blocks, num_kv_heads, block_size, head_dim]."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    # Not zeroed: a slot is read only after its token was stored, and on a CPU the pages of a
-    # pool nobody has filled yet stay out of resident memory.
+    # Not written yet: the engine checks that the pool fits before take_cache writes it.
     return [
         (
             torch.empty(shape, dtype=dtype, device=device),
@@ -47,3 +50,12 @@ def allocate_cache(
         )
         for _ in range(num_layers)
     ]
+
+
+def take_cache(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write every page of the cache (zeros), so that the memory is the process's from now on.
+    torch's fill runs on its intra-op threads; nothing reads the zeros (a slot is read only after
+    its token was stored), but no uninitialized NaN is left either."""
+    for keys, values in caches:
+        keys.zero_()
+        values.zero_()

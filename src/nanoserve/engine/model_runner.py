@@ -3,7 +3,9 @@ CUDA graphs of decode steps. Chooses where the weights live (CPU: one huge-page 
 each scheduled batch into tensors (`prepare`, engine/inputs.py) and runs them (`execute`), which
 composes the model's pieces and takes a fast path by a plain `if`: a CPU decode step of up to 4
 rows in one C call, a CUDA decode step replayed from its graph. Returns the logits of the rows that
-sample. On CUDA the pool is sized from free memory after a warm-up forward through the same path.
+sample. On CUDA the pool is sized from free memory after a warm-up forward through the same
+path; on a CPU from kv_cache_memory_gb, allocated unwritten, then written (`take_kv_cache`) once
+the engine has checked that it fits (engine/memory.py).
 Under tensor parallelism every rank has a runner holding its slices and its heads' cache, and runs
 the same `execute` on the inputs rank 0 prepared (engine/executor.py); only rank 0's results mean
 anything.
@@ -12,7 +14,7 @@ anything.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -20,7 +22,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.inputs import Chunk, PromptScoring, StepInputs, pack
-from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv
+from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv, take_cache
 from nanoserve.engine.sampling import Logprob, token_logprobs
 from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS
 from nanoserve.model import hugepages
@@ -60,6 +62,7 @@ class ModelRunner:
         self._baseline = torch.cuda.memory_allocated(self.device) if on_cuda else 0
         positions = config.max_model_len or mc.max_position_embeddings
         self.model = Llama(mc, self._load(checkpoint), positions, parallel)
+        self.model_bytes = _held_bytes(self.model)  # weights, packed copies, RoPE tables
         layers = self.model.weights.layers
         # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.
         self.cpu_step: CpuDecodeStep | None = None
@@ -177,6 +180,16 @@ class ModelRunner:
             rows = min(rows or self.cpu_step.max_rows, self.cpu_step.max_rows)
         return rows
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache tensors."""
+        return sum(t.nbytes for pair in self.kv_caches for t in pair)
+
+    def take_kv_cache(self) -> None:
+        """Write every page of the KV cache, so that it is held from now on (engine/memory.py
+        checked first that it fits)."""
+        take_cache(self.kv_caches)
+
     def cache_blocks(self) -> int:
         """Blocks in this rank's KV cache (-1 if its layers' tensors disagree)."""
         counts = {t.shape[0] for pair in self.kv_caches for t in pair}
@@ -255,6 +268,36 @@ class ModelRunner:
                 f"{self.config.gpu_memory_utilization})"
             )
         return int(budget // self.block_bytes)
+
+
+def _held_bytes(model: Llama) -> int:
+    """Bytes the model's tensors hold: each storage once (a huge-page arena is one), and oneDNN's
+    packed matrices (opaque tensors, without a storage to ask)."""
+    sizes: dict[int, int] = {}
+    for t in _tensors(vars(model), set()):
+        if t.is_mkldnn:
+            sizes[id(t)] = t.numel() * t.element_size()
+        else:
+            storage = t.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def _tensors(obj: object, seen: set[int]) -> Iterator[torch.Tensor]:
+    """The tensors reachable from `obj` through dicts, lists, tuples and objects' attributes."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value, seen)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _tensors(value, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        yield from _tensors(vars(obj), seen)
 
 
 def _to(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:

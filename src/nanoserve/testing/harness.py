@@ -185,10 +185,11 @@ async def serve_command(
     """`nanoserve serve MODEL_DIR --port 0 ...` (without a MODEL_DIR: the default model) in a
     subprocess; yields (process, client) once it logged its ready line. The client's connection
     stays open (idle keep-alive). The LiveServer has no in-process engine: only its HTTP side is
-    usable."""
+    usable. The pool is 1100 blocks unless the flags size it."""
     model = [] if model_dir is None else [str(model_dir)]
-    command = [sys.executable, "-m", "nanoserve.cli", "serve", *model, "--port", "0",
-               "--num-kv-blocks", "1100", *flags]  # fmt: skip
+    sized = {"--num-kv-blocks", "--kv-cache-memory"} & {f.split("=")[0] for f in flags}
+    pool = [] if sized else ["--num-kv-blocks", "1100"]
+    command = [sys.executable, "-m", "nanoserve.cli", "serve", *model, "--port", "0", *pool, *flags]
     proc = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     try:

@@ -1,0 +1,200 @@
+"""The memory the server promises is memory it has: the KV pool is written before the server
+says it is ready (its RSS holds it), a pool that does not fit in what the machine (or its
+cgroup) has left is refused at start with the largest value that fits. What may be taken is read
+from /proc/meminfo and the cgroup files, tested here on fixture files for cgroup v1 and v2."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from nanoserve import LLM
+from nanoserve.config import EngineConfig
+from nanoserve.default_model import default_model_path
+from nanoserve.engine import NotEnoughMemory
+from nanoserve.engine.memory import (
+    GiB,
+    Headroom,
+    MiB,
+    Pools,
+    cgroup_dirs,
+    cgroup_headroom,
+    check_fits,
+    headroom,
+    meminfo_available,
+    resident_bytes,
+)
+from nanoserve.testing.harness import serve_command
+
+LIMIT = "NANOSERVE_MEMORY_LIMIT_BYTES"
+
+
+def _rss(pid: int) -> int:
+    return resident_bytes(Path(f"/proc/{pid}/status"))
+
+
+# -- refused at start ----------------------------------------------------------------------------
+
+
+async def test_a_pool_larger_than_the_memory_allowed_is_refused_at_start(
+    tiny_model_dir, monkeypatch
+):
+    """Exit status 2, one line naming the flag, the figures, and a largest value that does
+    start under the same limit."""
+    monkeypatch.setenv(LIMIT, str(GiB))  # the servers started here inherit it
+    command = [sys.executable, "-m", "nanoserve.cli", "serve", str(tiny_model_dir), "--port", "0"]
+    with trio.fail_after(120):  # a server that starts instead never exits by itself
+        result = await trio.run_process(
+            [*command, "--kv-cache-memory", "2"], capture_stderr=True, check=False
+        )
+    assert result.returncode == 2, result.stderr.decode()
+    message = result.stderr.decode().splitlines()[-1]
+    assert message.startswith("nanoserve: --kv-cache-memory must be at most "), message
+    assert re.search(r"KV cache would take 2\.00 GiB \(\d+ blocks of 16 tokens, float32\)", message)
+    assert f"{LIMIT}={GiB}" in message and message.endswith("got 2.0")
+    largest = message.split("at most ")[1].split()[0]
+    assert 0.1 < float(largest) < 1
+    async with serve_command(tiny_model_dir, "--kv-cache-memory", largest) as (proc, server):
+        assert "KV cache written" in server.startup_log  # and ready: it fits
+
+
+def test_the_offline_llm_raises_naming_the_setting(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(LIMIT, str(resident_bytes() + 512 * MiB))
+    with pytest.raises(NotEnoughMemory, match=r"^kv_cache_memory_gb must be at most 0\.\d+ to fit"):
+        LLM(str(tiny_model_dir), kv_cache_memory_gb=2)
+
+
+def _pools(blocks=1000, margin_per_token=10 * 1024):
+    """Pools of 1 MiB blocks (of 16 tokens) at a context of 9000, with a margin of 10 KiB a
+    token of context (90 MiB here)."""
+    return Pools(
+        blocks=blocks, block_bytes=MiB, setting_block_bytes=MiB,
+        margin_at=lambda context: context * margin_per_token, context=9000,
+        weights=50 * MiB, dtype="float32", draft=False,
+    )  # fmt: skip
+
+
+def test_the_setting_named_is_the_one_that_sized_the_pool_or_the_context_that_cannot_fit():
+    room = Headroom(590 * MiB, "MemAvailable")
+    margin = 9000 * 10 * 1024
+    check_fits(EngineConfig(), _pools(blocks=(room.bytes - margin) // MiB), room)  # just fits
+    with pytest.raises(NotEnoughMemory, match=r"^kv_cache_memory_gb must be at most 0\.49 ") as e:
+        check_fits(EngineConfig(), _pools(), room)  # 502 blocks fit: 0.4902 GiB
+    assert "would take 0.98 GiB (1000 blocks of 16 tokens, float32)" in str(e.value)
+    assert "working margin 0.09 GiB (most of it a prefill step's attention at context 9000)" in (
+        str(e.value)
+    )
+    with pytest.raises(NotEnoughMemory, match=r"^num_kv_blocks must be at most 502 "):
+        check_fits(EngineConfig(num_kv_blocks=1000), _pools(), room)
+    # max_model_len: where even the largest pool that fits holds fewer tokens (502 * 16 = 8032),
+    # or where the margin at this context leaves no room for a block.
+    context_rule = r"^max_model_len must be at most (\d+) to fit in memory, with a KV cache of"
+    with pytest.raises(NotEnoughMemory, match=context_rule) as e:
+        check_fits(EngineConfig(max_model_len=9000), _pools(), room)
+    longest = int(re.match(context_rule, str(e.value))[1])
+    assert longest % 16 == 0 and longest * 10 * 1024 + longest // 16 * MiB <= room.bytes
+    assert (longest + 16) * 10 * 1024 + (longest // 16 + 1) * MiB > room.bytes
+    with pytest.raises(NotEnoughMemory, match=r"^max_model_len must be at most \d+ .*got 9000$"):
+        check_fits(EngineConfig(), _pools(margin_per_token=70 * 1024), room)
+    with pytest.raises(NotEnoughMemory, match="smaller: not one block fits"):
+        check_fits(EngineConfig(), _pools(margin_per_token=70 * 1024), Headroom(MiB, "x"))
+
+
+# -- taken at start ------------------------------------------------------------------------------
+
+
+async def test_rss_when_ready_holds_the_pool_and_the_weights():
+    pool, weights = 0.5 * GiB, default_model_path().stat().st_size
+    async with serve_command(None, "--kv-cache-memory", "0.5") as (proc, server):
+        assert _rss(proc.pid) >= 0.9 * (pool + weights)
+        assert "KV blocks of 16 tokens (0.50 GiB, float32)" in server.startup_log
+
+
+def test_the_offline_llm_holds_its_pool_once_built(tiny_model_dir):
+    before = resident_bytes()
+    llm = LLM(str(tiny_model_dir), kv_cache_memory_gb=0.25)
+    assert resident_bytes() - before >= 0.9 * 0.25 * GiB
+    assert llm.engine.kv_cache_bytes > 0.99 * 0.25 * GiB
+
+
+# -- what may be taken: /proc/meminfo and the cgroup files ----------------------------------------
+
+
+def test_meminfo_available(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24683664 kB\nMemAvailable:   22346068 kB\n")
+    assert meminfo_available(meminfo) == 22346068 * 1024
+    assert meminfo_available(tmp_path / "absent") is None
+
+
+def _files(directory: Path, **files: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name.replace("_", ".", 1)).write_text(text)
+    return directory
+
+
+def test_cgroup_v2_limit_less_usage_without_inactive_page_cache(tmp_path):
+    d = _files(tmp_path / "v2", memory_max="4294967296\n", memory_current="1073741824\n",
+               memory_stat="anon 536870912\ninactive_file 268435456\nactive_file 1\n")  # fmt: skip
+    assert cgroup_headroom(d, 2) == 4 * GiB - (GiB - 256 * MiB)
+    _files(d, memory_max="max\n")
+    assert cgroup_headroom(d, 2) is None
+    assert cgroup_headroom(tmp_path / "absent", 2) is None
+
+
+def test_cgroup_v1_limit_less_usage_and_its_unlimited_value(tmp_path):
+    stat = "cache 100\ninactive_file 7\ntotal_inactive_file 536870912\n"  # hierarchical: total_
+    d = _files(tmp_path / "v1", memory_limit_in_bytes="2147483648\n",
+               memory_usage_in_bytes="1610612736\n", memory_stat=stat)  # fmt: skip
+    assert cgroup_headroom(d, 1) == 2 * GiB - GiB
+    _files(d, memory_limit_in_bytes="9223372036854771712\n")
+    assert cgroup_headroom(d, 1) is None
+
+
+def _host(tmp_path: Path, cgroup: str, mounts: list[str]) -> tuple[Path, Path]:
+    proc_cgroup, mountinfo = tmp_path / "self_cgroup", tmp_path / "mountinfo"
+    proc_cgroup.write_text(cgroup)
+    mountinfo.write_text("".join(m.replace("ROOT", str(tmp_path)) + "\n" for m in mounts))
+    return proc_cgroup, mountinfo
+
+
+def test_the_cgroups_that_hold_the_process_own_first_then_its_ancestors(tmp_path):
+    """v2: its own directory and each ancestor's up to the mount (a limit may be a parent
+    slice's); the tightest one is what may be taken."""
+    proc_cgroup, mountinfo = _host(tmp_path, "0::/app.slice/server\n", [
+        "31 23 0:28 / ROOT/fs/cgroup rw,relatime - cgroup2 cgroup2 rw",
+    ])  # fmt: skip
+    mount = tmp_path / "fs" / "cgroup"
+    leaf = _files(mount / "app.slice" / "server", memory_max="max\n", memory_current="5\n")
+    _files(mount / "app.slice", memory_max=f"{3 * GiB}\n", memory_current=f"{GiB}\n")
+    assert cgroup_dirs(proc_cgroup, mountinfo) == [
+        (leaf, 2), (mount / "app.slice", 2), (mount, 2),
+    ]  # fmt: skip
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable: {10 * GiB // 1024} kB\n")
+    room = headroom(meminfo, proc_cgroup, mountinfo)
+    assert room == Headroom(2 * GiB, f"cgroup {mount / 'app.slice'}")
+
+
+def test_cgroup_v1_memory_hierarchy_and_a_container_that_sees_its_own_as_the_root(tmp_path):
+    """v1 is the hierarchy mounted with the memory controller; a container whose mount root is
+    its own cgroup (the path in /proc/self/cgroup is the host's) reads the mount itself."""
+    proc_cgroup, mountinfo = _host(tmp_path, "5:devices:/docker/abc\n4:memory:/docker/abc\n", [
+        "32 31 0:29 / ROOT/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu",
+        "35 31 0:32 /docker/abc ROOT/cgroup/memory rw,relatime - cgroup cgroup rw,memory",
+    ])  # fmt: skip
+    mount = _files(tmp_path / "cgroup" / "memory", memory_limit_in_bytes=f"{GiB}\n",
+                   memory_usage_in_bytes=f"{256 * MiB}\n")  # fmt: skip
+    assert cgroup_dirs(proc_cgroup, mountinfo) == [(mount, 1)]
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemAvailable: {10 * GiB // 1024} kB\n")
+    assert headroom(meminfo, proc_cgroup, mountinfo).bytes == 768 * MiB
+
+
+def test_an_injected_limit_stands_in_for_the_machine(monkeypatch):
+    monkeypatch.setenv(LIMIT, str(64 * GiB))
+    room = headroom()
+    assert 63 * GiB < room.bytes < 64 * GiB and room.source.startswith(f"{LIMIT}={64 * GiB}")
