@@ -1,7 +1,8 @@
 """The memory the server promises is memory it has: the KV pool is written before the server
 says it is ready (its RSS holds it), a pool that does not fit in what the machine (or its
-cgroup) has left is refused at start with the largest value that fits. What may be taken is read
-from /proc/meminfo and the cgroup files, tested here on fixture files for cgroup v1 and v2."""
+cgroup) has left is refused at start with the largest value that fits, and /metrics shows the
+process's memory and the cache's configuration. What may be taken is read from /proc/meminfo
+and the cgroup files, tested here on fixture files for cgroup v1 and v2."""
 
 import re
 import sys
@@ -26,7 +27,7 @@ from nanoserve.engine.memory import (
     meminfo_available,
     resident_bytes,
 )
-from nanoserve.testing.harness import serve_command
+from nanoserve.testing.harness import live_server, serve_command
 
 LIMIT = "NANOSERVE_MEMORY_LIMIT_BYTES"
 
@@ -117,6 +118,21 @@ def test_the_offline_llm_holds_its_pool_once_built(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), kv_cache_memory_gb=0.25)
     assert resident_bytes() - before >= 0.9 * 0.25 * GiB
     assert llm.engine.kv_cache_bytes > 0.99 * 0.25 * GiB
+
+
+# -- /metrics ------------------------------------------------------------------------------------
+
+
+async def test_metrics_show_the_process_memory_and_the_cache_config(tiny_model_dir):
+    async with live_server(tiny_model_dir, num_kv_blocks=64) as server:
+        assert await server.metric("process_resident_memory_bytes") > 0
+        assert await server.metric("process_virtual_memory_bytes") > 0
+        text = (await server.http.get("/metrics")).text
+        bytes_ = server.engine.kv_cache_bytes
+        assert (
+            f'nanoserve:cache_config_info{{block_size="16",cache_bytes="{bytes_}",'
+            'cache_dtype="float32",num_gpu_blocks="64"} 1.0' in text
+        )
 
 
 # -- what may be taken: /proc/meminfo and the cgroup files ----------------------------------------

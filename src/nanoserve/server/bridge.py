@@ -49,6 +49,9 @@ class Serving:
         self.max_model_len = engine.max_model_len
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
+        self.metrics.on_start(
+            engine.config.block_size, engine.num_blocks, engine.config.dtype, engine.kv_cache_bytes
+        )
         self._check_request = engine.check_request  # reads fixed settings only
         self._send, inbox = trio.open_memory_channel[Arrival | Abort](math.inf)
         self.task = EngineTask(engine, inbox, self.metrics)

@@ -1,13 +1,21 @@
-"""Prometheus metrics, named as vLLM names them with the `nanoserve:` prefix. Updated only by the
-engine task (between steps), read by the /metrics route. Owns a registry per server, so several
-servers in one process (tests) do not collide.
+"""Prometheus metrics, named as vLLM names them with the `nanoserve:` prefix, and the process's
+own (`process_resident_memory_bytes` and the rest of prometheus_client's process collector, read
+from /proc when scraped). Updated only by the engine task (between steps), read by the /metrics
+route. Owns a registry per server, so several servers in one process (tests) do not collide.
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from nanoserve.engine import RequestOutput
 from nanoserve.server.stats import ServingStats
@@ -18,7 +26,14 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 3
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # this process's only (under TP, not the workers')
         p = "nanoserve:"
+        self.cache_config = Gauge(
+            p + "cache_config_info", "The KV cache's configuration (value 1), as vLLM's "
+            "cache_config_info: num_gpu_blocks is the pool's blocks on any device; cache_bytes "
+            "its bytes on this host",
+            ["block_size", "num_gpu_blocks", "cache_dtype", "cache_bytes"], registry=r,
+        )  # fmt: skip
         self.running = Gauge(
             p + "num_requests_running", "Requests in the running batch", registry=r
         )
@@ -65,6 +80,11 @@ class Metrics:
         self._generated = 0
         self._preempted = 0
         self._spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens counted so far
+
+    def on_start(self, block_size: int, num_blocks: int, dtype: str, cache_bytes: int) -> None:
+        """The KV cache's fixed facts, once the engine holds it."""
+        labels = (block_size, num_blocks, dtype, cache_bytes)
+        self.cache_config.labels(*map(str, labels)).set(1)
 
     def on_arrival(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
