@@ -1,16 +1,19 @@
 """Soak: random clients against a live server for a bounded time, then the bill.
 
-A real Hypercorn server (nanoserve.harness.live_server, in this process so that its memory and its
-KV ledger can be read) on the demo model. Clients arrive at a steady mean rate (Poisson), each with
-random parameters: completions or chat, streamed or unary, greedy or sampled (temperature, seed,
-top_p, top_k), stop strings, n, logprobs, max_tokens; some hang up at a random point, a few send a
-deliberately bad request. The pool is small enough that the engine preempts.
+A real `nanoserve serve` process (harness.serve_command) on the demo model, measured from outside:
+its resident memory from /proc/PID/status, its KV blocks from /health. Clients arrive at a steady
+mean rate (Poisson), each with random parameters: completions or chat, streamed or unary, greedy
+or sampled (temperature, seed, top_p, top_k), stop strings, n, logprobs, max_tokens; some hang up
+at a random point, a few send a deliberately bad request. The pool is small enough that the
+engine preempts (or, with --kv-cache-memory, as large as the operator asks).
 
-    python -m bench.soak [--seconds 180] [--rate 6] [--seed 0] [--model DIR]
+    python -m bench.soak [--seconds 180] [--rate 6] [--seed 0] [--model PATH]
+        [--kv-cache-memory GB] [--warm-up 60]
 
 Prints a table; writes bench/results/soak.json (and soak.png with matplotlib). Exits 1 if any
 request got a 5xx (or a stream an error event), the server dropped a connection, a client hung,
-or a KV block leaked.
+a KV block leaked, or the server's RSS grew by more than 5% from the end of the warm-up to the
+end of the run.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import trio
 
 from nanoserve.demo import demo_model_dir
 from nanoserve.testing.crowd import WORDS
-from nanoserve.testing.harness import MODEL_NAME, LiveServer, live_server, sse_data
+from nanoserve.testing.harness import MODEL_NAME, LiveServer, serve_command, sse_data
 
 RESULTS = Path(__file__).parent / "results"
 C, X = "/v1/completions", "/v1/chat/completions"
@@ -45,6 +48,7 @@ COUNTS = [
     "bad_accepted",
     "broken",
     "stuck",
+    "server_error",
 ]
 # What the server says at the end.
 BILL = [
@@ -54,8 +58,10 @@ BILL = [
     "peak_running",
     "blocks_total",
     "blocks_leaked",
-    "audit",
 ]
+# The server's resident memory (MB): once ready, at the end of the warm-up, the most, at the end.
+RSS = ["rss_mb_ready", "rss_mb_warm", "rss_mb_max", "rss_mb_end", "rss_growth_pct"]
+RSS_GROWTH_PCT = 5.0  # more, from the end of the warm-up to the end, fails the run
 # From /health, once a second.
 SAMPLED = ["running", "waiting", "free_blocks", "generation_tokens"]
 DRAIN_S = 60.0  # after the last arrival, how long clients still in flight may take
@@ -193,38 +199,42 @@ def _judge(plan: Plan, status: int, raw: bytes, tally: Tally) -> None:
         tally.fail("5xx", f"unfinished answer: {raw[:200]!r}")
 
 
-def rss_mb() -> float:
-    """Resident memory of this process (the server runs in it), from /proc/self/status."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def rss_mb(pid: int) -> float:
+    """Resident memory of the server process, from /proc/PID/status."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
 
-async def sample_state(server: LiveServer, samples: list[dict[str, float]], t0: float) -> None:
+async def sample_state(
+    server: LiveServer, pid: int, samples: list[dict[str, float]], t0: float
+) -> None:
     while True:
         health = await server.health()
         state = {key: health[key] for key in SAMPLED}
-        samples.append({"t": time.monotonic() - t0, "rss_mb": rss_mb(), **state})
+        samples.append({"t": time.monotonic() - t0, "rss_mb": rss_mb(pid), **state})
         await trio.sleep(1.0)
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    engine = dict(num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs)
     tally, samples = Tally(), []
-    async with live_server(args.model, max_queue=args.max_queue, **engine) as server:
+    async with serve_command(args.model, *_serve_flags(args)) as (proc, server):
+        rss_ready = rss_mb(proc.pid)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=16)
         async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
             await http.post(C, json={"prompt": "warm up", "max_tokens": 4})  # first-call costs
-            rss_start, before, t0 = rss_mb(), await server.health(), time.monotonic()
+            before, t0 = await server.health(), time.monotonic()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(sample_state, server, samples, t0)
+                nursery.start_soon(_read_log, proc.stderr, tally)
+                nursery.start_soon(sample_state, server, proc.pid, samples, t0)
                 arrivals = await _arrive(http, args, rng, tally)
+                wall = time.monotonic() - t0
+                after = await _idle(server)
+                rss_end = rss_mb(proc.pid)
                 nursery.cancel_scope.cancel()
-            wall = time.monotonic() - t0
-        leaked, audit = await _pool_bill(server)
-        after = await server.health()
+    warm = [s["rss_mb"] for s in samples if s["t"] <= args.warm_up] or [rss_ready]
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "wall_s": round(wall, 1),
@@ -235,13 +245,28 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "generation_tokens": after["generation_tokens"] - before["generation_tokens"],
         "peak_running": after["peak_running"],
         "blocks_total": after["total_blocks"],
-        "blocks_leaked": leaked,
-        "audit": audit,
-        "rss_mb_start": round(rss_start, 1),
-        "rss_mb_end": round(rss_mb(), 1),
+        "blocks_leaked": after["total_blocks"] - after["free_blocks"],
+        "rss_mb_ready": round(rss_ready, 1),
+        "rss_mb_warm": round(warm[-1], 1),
+        "rss_mb_max": round(max([s["rss_mb"] for s in samples] + [rss_end]), 1),
+        "rss_mb_end": round(rss_end, 1),
+        "rss_growth_pct": round(100 * (rss_end / warm[-1] - 1), 2),
         "failures": tally.failures,
         "samples": samples,
     }
+
+
+def _serve_flags(args: argparse.Namespace) -> list[str]:
+    """The server's flags: the clients' model name, the pool, the batch and queue limits."""
+    flags = ["--served-model-name", MODEL_NAME]
+    flags += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.kv_cache_memory is not None:
+        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    else:
+        flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.max_queue is not None:
+        flags += ["--max-queue", str(args.max_queue)]
+    return flags
 
 
 async def _arrive(
@@ -263,23 +288,25 @@ async def _arrive(
     return arrivals
 
 
-async def _pool_bill(server: LiveServer) -> tuple[int, str]:
-    """Blocks still held once the server is idle (bounded wait), and the ledger audit."""
+async def _read_log(stderr: trio.abc.ReceiveStream, tally: Tally) -> None:
+    """The server's log past its ready line (one line per request), read so that the pipe never
+    fills and blocks the server; its errors are failures."""
+    async for chunk in stderr:
+        for line in chunk.decode(errors="replace").splitlines():
+            if " ERROR " in line or "Traceback" in line:
+                tally.fail("server_error", line)
+
+
+async def _idle(server: LiveServer) -> dict[str, Any]:
+    """/health once the server is idle (bounded wait): blocks still held then have leaked."""
     try:
-        health = await server.wait_idle()
+        return await server.wait_idle()
     except trio.TooSlowError:
-        health = await server.health()
-        return health["total_blocks"] - health["free_blocks"], "never idle: not audited"
-    try:
-        server.engine.audit()  # safe: the engine task is idle, asleep on its inbox
-        audit = "ok"
-    except Exception as e:  # the report names it, and the exit code fails
-        audit = f"{type(e).__name__}: {e}"
-    return health["total_blocks"] - health["free_blocks"], audit
+        return await server.health()
 
 
 def report(result: dict[str, Any], out: Path) -> None:
-    keys = ["wall_s", "arrivals", *COUNTS, *BILL, "rss_mb_start", "rss_mb_end"]
+    keys = ["wall_s", "arrivals", *COUNTS, *BILL, *RSS]
     print(f"\nsoak: {result['config']['seconds']} s at {result['config']['rate']}/s")
     for key in keys:
         print(f"  {key:<20} {result[key]}")
@@ -322,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=None, help="default: the demo model")
     parser.add_argument("--num-kv-blocks", type=int, default=32, help="small: forces preemption")
+    parser.add_argument("--kv-cache-memory", type=float, help="GiB, instead of --num-kv-blocks")
+    parser.add_argument("--warm-up", type=float, default=60.0, help="seconds before RSS counts")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=None, help="503 past this many waiting")
     parser.add_argument("--hang-up-rate", type=float, default=0.2)
@@ -331,9 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model or demo_model_dir()
     result = trio.run(soak, args)
     report(result, args.out)
-    bad = ("5xx", "bad_accepted", "broken", "stuck", "blocks_leaked")
-    ok = not any(result[key] for key in bad)
-    return 0 if ok and result["audit"] == "ok" else 1
+    bad = ("5xx", "bad_accepted", "broken", "stuck", "server_error", "blocks_leaked")
+    grew = result["rss_growth_pct"] > RSS_GROWTH_PCT
+    if grew:
+        print(f"! RSS grew by {result['rss_growth_pct']}% after the warm-up", file=sys.stderr)
+    return 0 if not any(result[key] for key in bad) and not grew else 1
 
 
 if __name__ == "__main__":
