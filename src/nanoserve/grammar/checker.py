@@ -56,13 +56,18 @@ def closed_schema(schema: Any) -> Any:
         return [closed_schema(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in _VALUES else closed_schema(v) for k, v in schema.items()}
-    for k in _NAMED & out.keys():  # a property named "const" is a schema all the same
-        if isinstance(schema[k], dict):
-            out[k] = {name: closed_schema(v) for name, v in schema[k].items()}
+    out = {k: _closed_part(k, v) for k, v in schema.items()}
     if out.get("type") == "object" and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _closed_part(key: str, value: Any) -> Any:
+    if key in _VALUES:
+        return value
+    if key in _NAMED and isinstance(value, dict):  # a property named "const" is a schema too
+        return {name: closed_schema(v) for name, v in value.items()}
+    return closed_schema(value)
 
 
 def grammar_text(kind: str, value: Any, whitespace_pattern: str | None) -> str:
