@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -111,7 +112,7 @@ class OpenAIServer:
             self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo,
             prompt_logprobs=req.prompt_logprobs is not None,
         )  # fmt: skip
-        return await self._respond(fmt, req.stream, req.include_usage, token_ids, params)
+        return await self._respond(fmt, req.stream, _usage(req), token_ids, params)
 
     async def chat_completions(self) -> Response:
         req: ChatCompletionRequest = parse(
@@ -155,7 +156,7 @@ class OpenAIServer:
         fmt = ChatFormat(
             self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, tools
         )
-        return await self._respond(fmt, req.stream, req.include_usage, [token_ids], params)
+        return await self._respond(fmt, req.stream, _usage(req), [token_ids], params)
 
     async def models(self) -> Response:
         return _json(ModelList(data=[self._card()]))
@@ -217,7 +218,7 @@ class OpenAIServer:
         self,
         fmt: ResponseFormat,
         stream: bool,
-        include_usage: bool,
+        usage: Usage,
         prompts: list[list[int]],
         params: SamplingParams,
     ) -> Response:
@@ -238,7 +239,7 @@ class OpenAIServer:
             # Logprobs of thousands of tokens take a second or more to build and serialize.
             text = await trio.to_thread.run_sync(body, thread_name="respond")
             return Response(text, mimetype="application/json")
-        events = self._events(fmt, include_usage, prompts, params, g.access)
+        events = self._events(fmt, usage, prompts, params, g.access)
         await anext(events)  # submits: a refusal raises here and gets its own status
         response = Response(
             events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -249,7 +250,7 @@ class OpenAIServer:
     async def _events(
         self,
         fmt: ResponseFormat,
-        include_usage: bool,
+        usage: Usage,
         prompts: list[list[int]],
         params: SamplingParams,
         access: AccessRecord,
@@ -264,11 +265,11 @@ class OpenAIServer:
                 yield b""
                 try:
                     for opening in fmt.opening(len(prompts)):
-                        yield _sse(opening)
-                    async with aclosing(self._chunks(fmt, streams)) as chunks:
+                        yield _sse(_with_usage(opening, fmt, usage))
+                    async with aclosing(self._chunks(fmt, streams, usage)) as chunks:
                         async for chunk in chunks:
                             yield chunk
-                    if include_usage:
+                    if usage.last:
                         yield _sse(fmt.usage_chunk())
                     ending = "200"
                 except Exception as e:  # mid-stream: the status line is gone, report in it
@@ -285,7 +286,7 @@ class OpenAIServer:
                 access.write(ending)
 
     async def _chunks(
-        self, fmt: ResponseFormat, streams: list[AsyncIterator[RequestOutput]]
+        self, fmt: ResponseFormat, streams: list[AsyncIterator[RequestOutput]], usage: Usage
     ) -> AsyncGenerator[bytes, None]:
         """Round robin over the prompts' streams: outputs are coalesced snapshots, so a stream
         waited on later loses nothing; each step usually advances all of them at once."""
@@ -295,7 +296,7 @@ class OpenAIServer:
                 index, outputs = entry
                 out = await anext(outputs)
                 for chunk in fmt.chunks(index, out):
-                    yield _sse(chunk)
+                    yield _sse(_with_usage(chunk, fmt, usage))
                 if out.finished:
                     pending.remove(entry)
 
@@ -363,6 +364,25 @@ class OpenAIServer:
             return self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
         except ValueError as e:
             raise InvalidRequest(str(e), "messages") from None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Where a stream reports usage: in a last chunk of its own (include_usage), and so far in
+    every chunk (vLLM's continuous_usage_stats)."""
+
+    last: bool = False
+    every_chunk: bool = False
+
+
+def _usage(req: CompletionRequest | ChatCompletionRequest) -> Usage:
+    return Usage(req.include_usage, req.continuous_usage)
+
+
+def _with_usage(chunk: BaseModel, fmt: ResponseFormat, usage: Usage) -> BaseModel:
+    if not usage.every_chunk:
+        return chunk
+    return chunk.model_copy(update={"usage": fmt.streamed_usage()})
 
 
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -1,0 +1,96 @@
+"""Requests as vLLM's own tests and today's OpenAI SDKs send them, over a real socket: fields at
+their defaults, OpenAI's bookkeeping fields, seeds across the signed 64-bit range and vLLM's
+continuous usage stats.
+"""
+
+import pytest
+
+from nanoserve.testing.harness import MODEL_NAME, live_server
+
+BLOCKS = 64
+C, X = "/v1/completions", "/v1/chat/completions"
+COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
+CHAT = {"model": MODEL_NAME, **MESSAGES, "max_tokens": 2}
+NO_USAGE = {"include_usage": False, "continuous_usage_stats": False}
+
+
+@pytest.fixture
+async def server(tiny_model_dir):
+    async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS) as s:
+        yield s
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (X, {**CHAT, "continue_final_message": False, "echo": False, "logit_bias": {}}),
+        (X, {**CHAT, "include_stop_str_in_output": False, "top_logprobs": 0}),
+        (C, {**COMPLETION, "logit_bias": {"5": 0}}),
+        (C, {**COMPLETION, "stream_options": NO_USAGE}),
+        (X, {**CHAT, "prompt_cache_key": "k", "safety_identifier": "user-1234"}),
+        (C, {**COMPLETION, "stream": True, "stream_options": {**NO_USAGE, "include_usage": True}}),
+    ],
+    ids=["chat", "chat-logprobs", "logit-bias-0", "no-usage", "bookkeeping", "usage"],
+)
+async def test_fields_at_their_defaults_are_accepted(server, path, body):
+    """A field sent at its default changes nothing: no 400 for it."""
+    response = await server.http.post(path, json=body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (C, {**COMPLETION, "logit_bias": {"5": 0, "6": 1}}, "logit_bias"),
+        (X, {**CHAT, "continue_final_message": True}, "continue_final_message"),
+        (C, {**COMPLETION, "stream_options": {"continuous_usage_stats": True}}, "stream"),
+        (X, {**CHAT, "top_logprobs": 1}, "top_logprobs"),
+        (X, {**CHAT, "seed": 2**64 + 5}, "seed"),
+        (C, {**COMPLETION, "seed": 2**63}, "seed"),
+        (C, {**COMPLETION, "seed": -(2**63) - 1}, "seed"),
+    ],
+    ids=["logit-bias", "continue", "usage-unstreamed", "top", "seed", "seed-max", "seed-min"],
+)
+async def test_values_that_would_change_the_answer_are_400_naming_the_field(
+    server, path, body, param
+):
+    response = await server.http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["param"] in error["message"]
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 2**63 - 1])
+async def test_seeds_across_the_signed_64_bit_range_sample_and_reproduce(client, seed):
+    async def sample():
+        r = await client.completions.create(
+            model=MODEL_NAME, prompt="She wrote", max_tokens=8, temperature=1.0, seed=seed, n=2
+        )
+        return [c.text for c in r.choices]
+
+    first = await sample()
+    assert await sample() == first and len(first) == 2
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    the usage so far; the last one, of its own, the total."""
+    requests = [
+        (client.completions.create, {"prompt": "She wrote"}),
+        (client.chat.completions.create, MESSAGES),
+    ]
+    for create, extra in requests:
+        stream = await create(
+            model=MODEL_NAME, max_tokens=6, temperature=0, stream=True, **extra,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        assert all(c.usage is not None for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 6
+        assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+                   for c in chunks)  # fmt: skip
+        assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
