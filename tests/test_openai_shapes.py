@@ -1,7 +1,9 @@
 """Requests as vLLM's own tests and today's OpenAI SDKs send them, over a real socket: fields at
-their defaults, OpenAI's bookkeeping fields, seeds across the signed 64-bit range and vLLM's
-continuous usage stats.
+their defaults, OpenAI's bookkeeping fields, seeds across the signed 64-bit range, vLLM's
+continuous usage stats, /tokenize's token strings and /tokenizer_info's class.
 """
+
+import json
 
 import pytest
 
@@ -30,8 +32,9 @@ async def server(tiny_model_dir):
         (C, {**COMPLETION, "stream_options": NO_USAGE}),
         (X, {**CHAT, "prompt_cache_key": "k", "safety_identifier": "user-1234"}),
         (C, {**COMPLETION, "stream": True, "stream_options": {**NO_USAGE, "include_usage": True}}),
+        ("/tokenize", {**MESSAGES, "continue_final_message": False}),
     ],
-    ids=["chat", "chat-logprobs", "logit-bias-0", "no-usage", "bookkeeping", "usage"],
+    ids=["chat", "chat-logprobs", "logit-bias-0", "no-usage", "bookkeeping", "usage", "tokenize"],
 )
 async def test_fields_at_their_defaults_are_accepted(server, path, body):
     """A field sent at its default changes nothing: no 400 for it."""
@@ -44,13 +47,23 @@ async def test_fields_at_their_defaults_are_accepted(server, path, body):
     [
         (C, {**COMPLETION, "logit_bias": {"5": 0, "6": 1}}, "logit_bias"),
         (X, {**CHAT, "continue_final_message": True}, "continue_final_message"),
+        ("/tokenize", {**MESSAGES, "continue_final_message": True}, "continue_final_message"),
         (C, {**COMPLETION, "stream_options": {"continuous_usage_stats": True}}, "stream"),
         (X, {**CHAT, "top_logprobs": 1}, "top_logprobs"),
         (X, {**CHAT, "seed": 2**64 + 5}, "seed"),
         (C, {**COMPLETION, "seed": 2**63}, "seed"),
         (C, {**COMPLETION, "seed": -(2**63) - 1}, "seed"),
     ],
-    ids=["logit-bias", "continue", "usage-unstreamed", "top", "seed", "seed-max", "seed-min"],
+    ids=[
+        "logit-bias",
+        "continue",
+        "tokenize-continue",
+        "usage-unstreamed",
+        "top",
+        "seed",
+        "seed-max",
+        "seed-min",
+    ],
 )
 async def test_values_that_would_change_the_answer_are_400_naming_the_field(
     server, path, body, param
@@ -94,3 +107,31 @@ async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client
         assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
                    for c in chunks)  # fmt: skip
         assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
+
+
+async def test_tokenize_returns_the_token_strings_when_asked(server):
+    """As vLLM's return_token_strs: the vocabulary's pieces, as transformers'
+    convert_ids_to_tokens gives them (byte-level "Ġ" for a space)."""
+    plain = (await server.http.post("/tokenize", json={"prompt": "Hello world"})).json()
+    assert plain["token_strs"] is None
+    body = {"prompt": "Hello world", "return_token_strs": True}
+    asked = (await server.http.post("/tokenize", json=body)).json()
+    assert asked["tokens"] == plain["tokens"]
+    assert asked["token_strs"] == ["<|begin_of_text|>", "H", "e", "ll", "o", "Ġwor", "ld"]
+
+
+async def test_tokenizer_info_names_the_checkpoints_tokenizer_class(tiny_model_dir, tmp_path):
+    async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS) as server:
+        info = (await server.http.get("/tokenizer_info")).json()
+        assert info["tokenizer_class"] == "PreTrainedTokenizerFast"  # as tokenizer_config says
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in tiny_model_dir.iterdir():
+        (model / file.name).symlink_to(file)
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").unlink()
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    async with live_server(model, num_kv_blocks=BLOCKS) as server:
+        info = (await server.http.get("/tokenizer_info")).json()
+        assert info["tokenizer_class"] == "GPT2Tokenizer"

@@ -477,10 +477,16 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # refused: as in chat completions
+    return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give either prompt or messages", "prompt")
+        if self.continue_final_message:
+            raise InvalidRequest(
+                "continue_final_message is not supported by this server", "continue_final_message"
+            )
 
 
 class DetokenizeRequest(_Strict):

@@ -180,7 +180,12 @@ class OpenAIServer:
             tokens = await self._encode_chat(messages, req.add_generation_prompt, {})
         else:
             tokens = await self._encode(req.prompt or "", req.add_special_tokens)
-        body = {"tokens": tokens, "count": len(tokens), "max_model_len": self.serving.max_model_len}
+        body = {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": self.serving.max_model_len,
+            "token_strs": self.tokenizer.pieces(tokens) if req.return_token_strs else None,
+        }
         return Response(json.dumps(body), mimetype="application/json")
 
     async def detokenize(self) -> Response:
@@ -194,6 +199,7 @@ class OpenAIServer:
 
     async def tokenizer_info(self) -> Response:
         info = {
+            "tokenizer_class": self.tokenizer.tokenizer_class,
             **self.tokenizer.special_tokens,
             "chat_template": self.tokenizer.chat_template,
             "model_max_length": self.serving.max_model_len,
