@@ -1,13 +1,17 @@
 """Requests as vLLM's own tests and today's OpenAI SDKs send them, over a real socket: fields at
 their defaults, OpenAI's bookkeeping fields, seeds across the signed 64-bit range, vLLM's
-continuous usage stats, /tokenize's token strings and /tokenizer_info's class.
+continuous usage stats, /tokenize's token strings, /tokenizer_info's class, and the model
+retrieved by the name or the path it was served from (`nanoserve serve`).
 """
 
 import json
+import signal
 
+import openai
 import pytest
 
-from nanoserve.testing.harness import MODEL_NAME, live_server
+from nanoserve.default_model import default_model_path
+from nanoserve.testing.harness import MODEL_NAME, live_server, serve_command
 
 BLOCKS = 64
 C, X = "/v1/completions", "/v1/chat/completions"
@@ -135,3 +139,27 @@ async def test_tokenizer_info_names_the_checkpoints_tokenizer_class(tiny_model_d
     async with live_server(model, num_kv_blocks=BLOCKS) as server:
         info = (await server.http.get("/tokenizer_info")).json()
         assert info["tokenizer_class"] == "GPT2Tokenizer"
+
+
+async def test_a_gguf_file_is_served_by_its_name_and_retrieved_by_name_or_path():
+    """`nanoserve serve /abs/path/X.gguf` serves the id X; the openai client retrieves it by
+    that name and by the path (/v1/models//abs/path/X.gguf, slashes kept), and a request may
+    name the model either way."""
+    path = default_model_path()
+    name = path.name.removesuffix(".gguf")
+    async with serve_command(path) as (proc, server):
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0
+        ) as client:
+            assert [m.id for m in (await client.models.list()).data] == [name]
+            assert (await client.models.retrieve(name)).id == name
+            assert (await client.models.retrieve(str(path))).id == name
+            for model in (name, str(path)):
+                r = await client.completions.create(model=model, prompt="Hi", max_tokens=1)
+                assert r.model == name
+            with pytest.raises(openai.NotFoundError):
+                await client.models.retrieve(str(path)[1:])
+            info = (await server.http.get("/tokenizer_info")).json()
+            assert info["tokenizer_class"] == "PreTrainedTokenizerFast"  # a GGUF names none
+        proc.send_signal(signal.SIGTERM)
+        assert await proc.wait() == 0

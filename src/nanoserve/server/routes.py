@@ -52,10 +52,18 @@ LARGE_BODY = 2048  # tokens: a response with logprobs of more is built off the e
 class OpenAIServer:
     """The routes. Reads the engine's fixed facts (tokenizer, context length), nothing else."""
 
-    def __init__(self, serving: Serving, model_name: str, api_key: str | None, max_body_bytes: int):
+    def __init__(
+        self,
+        serving: Serving,
+        model_name: str,
+        api_key: str | None,
+        max_body_bytes: int,
+        aliases: Sequence[str] = (),
+    ):
         self.serving = serving
         self.tokenizer = serving.tokenizer
         self.model_name = model_name
+        self.model_names = {model_name, *aliases}  # what a request may call the model
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -327,7 +335,7 @@ class OpenAIServer:
             )
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise ModelNotFound(f"the model {model!r} does not exist (this server serves "
                                 f"{self.model_name!r})")  # fmt: skip
 
