@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.grammar.checker import GrammarChecker, closed_schema
+from nanoserve.grammar.checker import GrammarChecker
+from nanoserve.grammar.compile import closed_schema
 from nanoserve.grammar.limits import (
     MAX_CHOICES,
     MAX_RULES,
