@@ -72,11 +72,12 @@ EOF
   git -C "$REPO" log -1 --format='commit %H %s' 2>/dev/null || true
 }
 
-# nanoserve without installing: a package folder of src/nanoserve whose kernels/ is this repo's kernels/.
+# nanoserve without installing: a package folder of src/nanoserve whose kernels/ is this repo's
+# kernels/python/ (where build_ext --inplace puts the C module).
 SHIM=$(mktemp -d)
 trap 'rm -rf "$SHIM"' EXIT
 cp -r "$REPO/src/nanoserve" "$SHIM/nanoserve"
-ln -s "$REPO/kernels" "$SHIM/nanoserve/kernels"
+ln -s "$REPO/kernels/python" "$SHIM/nanoserve/kernels"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 
 export PY REPO
