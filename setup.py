@@ -1,6 +1,7 @@
 """Builds the C kernels (kernels/csrc: paged attention, small-M linear, RMSNorm, RoPE, the fused
 decode step, matmuls on GGUF block weights; module.c holds the method table) as
-nanoserve.kernels._C at install time. The install fails if they do not build.
+nanoserve.kernels._C at install time; an editable install (or build_ext --inplace) puts it where
+package-dir maps nanoserve.kernels, kernels/python/. The install fails if they do not build.
 
 -march=native tunes the kernels for the building machine (right for `pip install -e .`); set
 NANOSERVE_MARCH (e.g. x86-64-v3) to build a module that runs on other machines. The quantized

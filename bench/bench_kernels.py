@@ -5,7 +5,8 @@ Times every backend available on the device over context lengths and batch sizes
 the machine's measured copy bandwidth and the speed-up over the torch backend, prints a table, and
 writes bench/results/kernels_<device>.json and .png. On CUDA it also times SDPA over a contiguous
 cache and flex_attention with a paged block mask, as references; --sweep times Triton launch
-configs instead.
+configs instead. A sliding-window table times windows of 512-4096 tokens over an 8192-token
+context against the same kernel over a context as long as the window.
 """
 
 import argparse
@@ -178,7 +179,8 @@ def grid(device: torch.device, quick: bool) -> tuple[list[int], list[int], list[
     if quick:
         return [1, 32], [512, 2048], [torch.float32 if device.type == "cpu" else torch.bfloat16]
     if device.type == "cuda":
-        return [1, 8, 32, 64], [128, 512, 2048, 4096, 8192], [torch.bfloat16, torch.float16]
+        cuda_dtypes = [torch.bfloat16, torch.float16, torch.float32]  # every cache dtype it takes
+        return [1, 8, 32, 64], [128, 512, 2048, 4096, 8192], cuda_dtypes
     return [1, 8, 32, 64], [128, 512, 2048, 8192], [torch.float32, torch.bfloat16]
 
 
@@ -237,6 +239,9 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     copy_gbps = max(copy_runs)
     for r in rows:
         r["fraction_of_copy"] = round(r["kv_gbps"] / copy_gbps, 3)
+    window_rows = windows(device, time_ms, names, dtypes[0], args.quick)
+    for r in window_rows:
+        r["fraction_of_copy"] = round(r["kv_gbps"] / copy_gbps, 3)
     result = {
         "benchmark": "paged_attention_decode",
         "shape": dict(q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK),
@@ -247,10 +252,38 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         "better of a run before and one after the kernels",
         "kv_gbps_counts": "K and V bytes of the attended tokens per second (q and out excluded)",
         "results": rows,
+        "windows": window_rows,
+        "windows_counts": "kv_gbps counts the K and V bytes of the tokens in the window only; "
+        "same_bytes_ms is the kernel without a window over a context as long as the window",
         "reference_errors": errors,
         "goal": goal(rows, device),
     }
     return result
+
+
+def windows(device: torch.device, time_ms, names: list[str], dtype: torch.dtype, quick: bool):
+    """Sliding windows (Mistral's, Gemma 3's local layers) over a long context: a window should
+    cost what a context of its length costs, since the kernel skips the blocks before it."""
+    batch, context = GOALS[device.type][1], 8192
+    sizes = [1024] if quick else [512, 1024, 4096]
+    pool = Pool(device, dtype, batch * context)
+    q, tables, lens = pool.point(batch, context)
+    out = torch.empty_like(q)
+    found = []
+    for name in [n for n in names if n != "torch"]:
+        for window in sizes:
+            def call(window=window, name=name, lens=lens):
+                kernels.paged_attention_decode(q, pool.k, pool.v, tables, lens, HEAD_DIM**-0.5,
+                                               out, backend=name, window=window)  # fmt: skip
+
+            short = torch.full_like(lens, window)
+            ms, same_ms = time_ms(call), time_ms(functools.partial(call, 0, lens=short))
+            r = row(name, dtype, batch, context, ms, kv_bytes(batch, window, dtype), {})
+            found.append({**r, "window": window, "same_bytes_ms": round(same_ms, 4)})
+            print(f"{name:>8} window {window:5d} of {context}: {ms:.3f} ms "
+                  f"({r['kv_gbps']:.1f} GB/s over the window); no window over {window} "
+                  f"tokens: {same_ms:.3f} ms", flush=True)  # fmt: skip
+    return found
 
 
 def flex_points(device: torch.device, dtype: torch.dtype) -> set[tuple[int, int]]:

@@ -57,7 +57,7 @@ SWEEP_ROWS = (1, 4)
 GEMV_SHAPES = [(8192, 2048, "gate, up (1B)"), (2048, 8192, "down (1B)")]
 GEMV_QTYPES = ("q4_k", "q6_k", "q4_1", "q8_0")
 RESULTS = Path(__file__).parent / "results"
-EXPERIMENT = Path(kernels.__file__).parent / "csrc" / "experiments" / "dequant_f32.c"
+EXPERIMENT = Path(__file__).parents[1] / "kernels" / "csrc" / "experiments" / "dequant_f32.c"
 
 
 def parse_args() -> argparse.Namespace:

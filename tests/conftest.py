@@ -4,7 +4,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from nanoserve.demo import write_checkpoint
@@ -32,7 +31,10 @@ def tiny_model_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture
 async def client(server):
-    """The official openai client on the module's `server` fixture (a live server)."""
+    """The official openai client on the module's `server` fixture (a live server). Imported here,
+    not at the top: bench/gpu_check.sh runs the engine tests where openai is not installed."""
+    import openai
+
     async with openai.AsyncOpenAI(
         base_url=server.url + "/v1", api_key="unused", max_retries=0
     ) as c:

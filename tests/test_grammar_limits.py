@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.grammar.checker import GrammarChecker, closed_schema
+from nanoserve.grammar.checker import GrammarChecker
+from nanoserve.grammar.compile import closed_schema
 from nanoserve.grammar.limits import (
     MAX_CHOICES,
     MAX_RULES,
@@ -83,7 +84,7 @@ def refused(response: httpx.Response, field_name: str) -> str:
     """The message of a 400 that names `field_name` and leaks no compiler internals."""
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"].startswith(field_name), error
+    assert (error["param"] or "").startswith(field_name), error
     assert not any(leak in error["message"] for leak in LEAKS), error["message"]
     return error["message"]
 
@@ -123,6 +124,22 @@ def test_a_recursive_schema_with_a_way_out_is_taken(server):
               "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}  # fmt: skip
     response = server.complete({"json": schema}, max_tokens=40)
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("depth", [8, 60, 200])
+def test_a_deeply_nested_tool_schema_is_answered_at_once(server, depth):
+    """Each level of a tool's schema is read once (reading `properties` twice a level took
+    2**60 steps on the event loop at 60 levels: the server hung)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": [tool],
+            "tool_choice": "required", "max_tokens": 4}  # fmt: skip
+    response = server.http.post("/v1/chat/completions", json=body)
+    if response.status_code != 200:
+        refused(response, "")  # a 400 (too deep to parse, or to compile), never a leak
+    server.alive()
 
 
 def test_100000_choices_are_a_400_without_a_backtrace(server):
@@ -171,14 +188,16 @@ def test_which_schemas_have_an_instance():
 
 
 @pytest.fixture
-def checker(tiny_model_dir) -> Iterator[GrammarChecker]:
+def checker(tiny_model_dir, request) -> Iterator[GrammarChecker]:
+    """A checker of the tiny model's vocabulary; its time limit is the test's parameter."""
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     setup = {"tokenizer": tokenizer.backend_json(), "n_vocab": tokenizer.vocab_size, "eos": [0]}
-    checker = GrammarChecker(lambda: setup, seconds=0.5)
+    checker = GrammarChecker(lambda: setup, seconds=request.param)
     yield checker
     checker.close()
 
 
+@pytest.mark.parametrize("checker", [60.0], indirect=True)  # time to reach the overflow
 def test_a_crash_in_the_compiler_is_a_grammar_error_and_the_next_check_runs(checker):
     # Past the size limits (which the server checks first): this chain overflows the
     # child's stack.
@@ -188,6 +207,7 @@ def test_a_crash_in_the_compiler_is_a_grammar_error_and_the_next_check_runs(chec
     checker.check("grammar", chain(10), None, "structured_outputs")
 
 
+@pytest.mark.parametrize("checker", [0.5], indirect=True)
 def test_a_compile_past_its_time_limit_is_a_grammar_error_and_the_next_check_runs(checker):
     slow = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(8000)}}
     with pytest.raises(GrammarError, match="took more than 0.5 s to compile"):

@@ -124,16 +124,18 @@ def make_case(
     )
 
 
-def reference(case: Case) -> torch.Tensor:
-    """float64 attention, token by token through the block table (no block gathering)."""
+def reference(case: Case, window: int = 0) -> torch.Tensor:
+    """float64 attention, token by token through the block table (no block gathering); window > 0
+    attends to a sequence's last `window` tokens only."""
     q, k_cache, v_cache = (t.cpu().double() for t in (case.q, case.k_cache, case.v_cache))
     tables, lens = case.block_tables.cpu().tolist(), case.context_lens.cpu().tolist()
     block_size = k_cache.shape[2]
     group = q.shape[1] // k_cache.shape[1]
     out = torch.empty_like(q)
     for i, n in enumerate(lens):
-        blocks = torch.tensor([tables[i][t // block_size] for t in range(n)])
-        offsets = torch.arange(n) % block_size
+        first = max(n - window, 0) if window else 0
+        blocks = torch.tensor([tables[i][t // block_size] for t in range(first, n)])
+        offsets = torch.arange(first, n) % block_size
         k = k_cache[blocks, :, offsets].repeat_interleave(group, dim=1)  # [n, q_heads, head_dim]
         v = v_cache[blocks, :, offsets].repeat_interleave(group, dim=1)
         logits = torch.einsum("hd,thd->ht", q[i], k) * case.scale
@@ -176,6 +178,40 @@ def test_decode_matches_float64_reference(
     case = make_case(gen, lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device)
     out = run(case, backend)
     torch.testing.assert_close(out.cpu().double(), reference(case), atol=ATOL[dtype], rtol=0)
+
+
+WINDOW_CASES = [
+    pytest.param(*p.values, dtype, marks=p.marks, id=f"{p.id}-{dtype}")
+    for p in ALL_BACKENDS
+    for dtype in DTYPES
+    if p.id != "cpu-triton" or dtype == torch.bfloat16  # the interpreter is slow: one dtype
+]
+
+
+@pytest.mark.parametrize("device,backend,dtype", WINDOW_CASES)
+@pytest.mark.parametrize("window", [1, 16, 100, 600])
+def test_decode_sliding_window(gen, device, backend, dtype, window):
+    """A window attends to the last `window` tokens: shorter, equal to and longer than the
+    contexts, one token, a block's worth, and (600) past the Triton kernel's 256-token splits, so
+    that whole splits before the window are skipped and the merge starts after them. Blocks wholly
+    before the window are NaN: a kernel that read one would say so (a block the window starts in
+    is read and masked, and 0 * NaN is NaN, so its tokens stay finite)."""
+    lens = [1, 16, 17, 100, 255, 700, 1031]
+    case = make_case(gen, lens, 8, 2, 64, 16, dtype, device)
+    before = torch.zeros(case.k_cache.shape[0] * 16, dtype=torch.bool)
+    for row, n in zip(case.block_tables.cpu().tolist(), lens, strict=True):
+        for t in range(max(n - window, 0) // 16 * 16):
+            before[row[t // 16] * 16 + t % 16] = True
+    slots = before.view(-1, 1, 16, 1).to(device)
+    poisoned = replace(
+        case,
+        k_cache=case.k_cache.masked_fill(slots, float("nan")),
+        v_cache=case.v_cache.masked_fill(slots, float("nan")),
+    )
+    out = torch.full_like(case.q, float("nan"))
+    kernels.paged_attention_decode(*poisoned.args(), out=out, backend=backend, window=window)
+    expected = reference(case, window)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=ATOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("device,backend", ALL_BACKENDS)

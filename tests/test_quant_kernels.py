@@ -1,7 +1,8 @@
-"""Matmuls on GGUF block weights (kernels/quant.py, kernels/csrc/quant*.c) against the gguf package,
-whose numpy quantize/dequantize are the independent oracle, on every instruction-set path this CPU
-runs (the portable C always, AVX2 and AVX-512 where the CPU reports them). int8 activations
-(llama.cpp's) appear only as an emulation (_int8_rounded), the yardstick int16 is held to."""
+"""Matmuls on GGUF block weights (kernels/python/quant.py, kernels/csrc/quant*.c) against the gguf
+package, whose numpy quantize/dequantize are the independent oracle, on every instruction-set path
+this CPU runs (the portable C always, AVX2 and AVX-512 where the CPU reports them). int8
+activations (llama.cpp's) appear only as an emulation (_int8_rounded), the yardstick int16 is held
+to."""
 
 import functools
 import os

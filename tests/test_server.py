@@ -534,14 +534,17 @@ async def test_a_full_queue_is_503_with_retry_after(tiny_model_dir):
 async def test_serve_command_answers_then_exits_on_sigterm_despite_open_connections(
     tiny_model_factory,
 ):
-    """`nanoserve serve` on port 0: a ready line with the URL, the served model named as the
-    MODEL_DIR given. SIGTERM with an idle keep-alive connection and a stream that would run for
-    a long while: the stream ends cleanly (an error event, then [DONE]) and the process exits
-    within the grace period."""
+    """`nanoserve serve` on port 0: a ready line with the URL, the served model named by the
+    MODEL_DIR's name (and retrieved by it or by the path). SIGTERM with an idle keep-alive
+    connection and a stream that would run for a long while: the stream ends cleanly (an error
+    event, then [DONE]) and the process exits within the grace period."""
     model_dir = tiny_model_factory(max_position_embeddings=16384)
     async with serve_command(model_dir) as (proc, server):
         models = (await server.http.get("/v1/models")).json()
-        assert models["data"][0]["id"] == str(model_dir)
+        assert models["data"][0]["id"] == model_dir.name
+        for model in (model_dir.name, str(model_dir)):
+            retrieved = (await server.http.get(f"/v1/models/{model}")).json()
+            assert retrieved["id"] == model_dir.name
         body = {"prompt": PROMPT, "stream": True, **LONG, "max_tokens": 16000}
         stream = await open_request(server, C, body)
         await read_until(stream, b"data: ")

@@ -1,7 +1,7 @@
 /* The module nanoserve.kernels._C: its method table and constants. The entry points live beside
  * their kernels (paged_attention.c, linear.c, norm_rope.c, decode_step.c, quant.c,
- * quant_convert.c, copy_rows.c); each takes its arguments by keyword (kernels/c_backend.py names
- * every one), pointers as ints. */
+ * quant_convert.c, copy_rows.c); each takes its arguments by keyword
+ * (kernels/python/c_backend.py names every one), pointers as ints. */
 #include "quant.h"
 
 #include <omp.h>

@@ -15,8 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The dtype codes Python passes (kernels/c_backend.py DTYPE_CODES). Float16 is a cache dtype of
- * paged attention and the KV store only; the other kernels take float32 and bfloat16. */
+/* The dtype codes Python passes (kernels/python/c_backend.py DTYPE_CODES). Float16 is a cache
+ * dtype of paged attention and the KV store only; the other kernels take float32 and bfloat16. */
 enum ns_dtype { NS_F32 = 0, NS_BF16 = 1, NS_F16 = 2 };
 
 /* Rows the GEMV (and so the one-call decode step) takes at most; exported as _C.GEMV_ROWS, from
@@ -131,8 +131,8 @@ typedef struct {
 int nanoserve_decode_attention(const decode_args *a, int num_threads);
 
 /* The value checks of the kernels' index tables, each in one place (here in C: the C paths run
- * them at C speed, and kernels/api.py runs the same ones for the torch and Triton paths on CPU
- * tensors). Each returns 0, or -1 with a ValueError set naming the first entry at fault (call
+ * them at C speed, and kernels/python/api.py runs the same ones for the torch and Triton paths on
+ * CPU tensors). Each returns 0, or -1 with a ValueError set naming the first entry at fault (call
  * with the GIL held). */
 /* paged_attention.c: context_lens in [1, max_blocks_per_seq * block_size], and the block_tables
  * entries they use in [0, num_blocks). */

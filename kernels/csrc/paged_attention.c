@@ -1,11 +1,11 @@
 /* Paged-attention decode and KV-cache store on the CPU: plain C11 + OpenMP, CPython C API only.
  *
  * Python passes data pointers, sizes and a dtype code as int keyword arguments
- * (kernels/c_backend.py); every tensor is contiguous. Cache layout: [num_blocks, num_kv_heads,
- * block_size, head_dim]. One OpenMP work item is one (sequence, KV head): its query heads are
- * processed together, so each key and value row is read from memory once; the softmax is online,
- * in float32, and bf16/fp16 values are widened as they are read. Inner loops are written for gcc's
- * auto-vectoriser (check with -fopt-info-vec); no intrinsics, no -ffast-math.
+ * (kernels/python/c_backend.py); every tensor is contiguous. Cache layout: [num_blocks,
+ * num_kv_heads, block_size, head_dim]. One OpenMP work item is one (sequence, KV head): its query
+ * heads are processed together, so each key and value row is read from memory once; the softmax is
+ * online, in float32, and bf16/fp16 values are widened as they are read. Inner loops are written
+ * for gcc's auto-vectoriser (check with -fopt-info-vec); no intrinsics, no -ffast-math.
  */
 #include "nanoserve.h"
 

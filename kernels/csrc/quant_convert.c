@@ -31,7 +31,7 @@ static void dequantize_rows(float *out, const char *w, const int64_t *rows, Py_s
 }
 
 /* The format of qtype, or NULL with a ValueError naming what is out of range (sizes and threads a
- * kernel would misuse; kernels/quant.py checks the shapes a user gives). */
+ * kernel would misuse; kernels/python/quant.py checks the shapes a user gives). */
 static const ns_block_format *check_format(const char *fn, Py_ssize_t N, Py_ssize_t K, int qtype,
                                            int num_threads) {
     const ns_block_format *f = ns_block_format_of(qtype);

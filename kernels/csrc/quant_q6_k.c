@@ -80,10 +80,12 @@ static void q6_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
 #if NS_X86
 /* ---------------------------------------------------------------- AVX2 */
 
-/* Scales 2t and 2t + 1 of each row, from g (lane r: a row's scales 4i .. 4i + 3, i = t / 2),
- * sign-extended, as int32 lanes. */
-#define Q6_K_SCALE(bits, g, t, which)                                                             \
-    _mm##bits##_srai_epi32(_mm##bits##_slli_epi32((g), 24 - 8 * (2 * ((t) & 1) + (which))), 24)
+/* Scale 2t + which (which: 0 or 1) of each row, from g (lane r: a row's scales 4i .. 4i + 3,
+ * i = t / 2), sign-extended, as int32 lanes: its byte shifted to the top, then back down. */
+AVX2_INLINE __m256i q6_k_scale_avx2(__m256i g, int t, int which) {
+    const int byte = 2 * (t & 1) + which;
+    return _mm256_srai_epi32(_mm256_slli_epi32(g, 24 - 8 * byte), 24);
+}
 
 /* The blocks at w of 8 rows, each sub-block t into s[t]: d sc of its halves and the pairs
  * (NS_BYTE_PAIRS), from one transpose of each 16 bytes of ql, qh and the scales. */
@@ -95,8 +97,8 @@ AVX2_INLINE void q6_k_unpack_avx2(strip8 *s, const char *w, size_t stride) {
     transpose_rows_avx2(sc, (const char *)b->scales, stride);
 #pragma GCC unroll 8
     for (int t = 0; t < KQ_SUBS; t++) {
-        s[t].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(Q6_K_SCALE(256, sc[t / 2], t, 0)));
-        s[t].d2 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(Q6_K_SCALE(256, sc[t / 2], t, 1)));
+        s[t].d = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q6_k_scale_avx2(sc[t / 2], t, 0)));
+        s[t].d2 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q6_k_scale_avx2(sc[t / 2], t, 1)));
         s[t].m = _mm256_setzero_ps();
     }
     const __m256i nibbles = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3 << 4);
@@ -145,6 +147,12 @@ AVX2_KERNEL void q6_k_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1)
 
 /* ---------------------------------------------------------------- AVX-512 */
 
+/* As q6_k_scale_avx2, 16 rows. */
+AVX512_INLINE __m512i q6_k_scale_avx512(__m512i g, int t, int which) {
+    const int byte = 2 * (t & 1) + which;
+    return _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * byte), 24);
+}
+
 /* As q6_k_unpack_avx2, 16 rows. */
 AVX512_INLINE void q6_k_unpack_avx512(strip16 *s, const char *w, size_t stride) {
     const block_q6_K *b = (const block_q6_K *)w;
@@ -154,8 +162,8 @@ AVX512_INLINE void q6_k_unpack_avx512(strip16 *s, const char *w, size_t stride) 
     transpose_rows_avx512(sc, (const char *)b->scales, stride);
 #pragma GCC unroll 8
     for (int t = 0; t < KQ_SUBS; t++) {
-        s[t].d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(Q6_K_SCALE(512, sc[t / 2], t, 0)));
-        s[t].d2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(Q6_K_SCALE(512, sc[t / 2], t, 1)));
+        s[t].d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q6_k_scale_avx512(sc[t / 2], t, 0)));
+        s[t].d2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q6_k_scale_avx512(sc[t / 2], t, 1)));
         s[t].m = _mm512_setzero_ps();
     }
     const __m512i nibbles = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3 << 4);

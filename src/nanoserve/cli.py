@@ -16,6 +16,7 @@ import argparse
 import difflib
 import errno
 import logging
+import os
 import re
 import socket
 import sys
@@ -214,7 +215,7 @@ def _usage_error(e: SettingError, config_class: type) -> UsageError:
 
 
 def _model(args: argparse.Namespace) -> tuple[Path, str]:
-    """The model's path and the name it is served under."""
+    """The model's path and its name: the file's (without .gguf) or the directory's."""
     if args.model is None:
         from nanoserve import default_model
 
@@ -240,7 +241,15 @@ def _model(args: argparse.Namespace) -> tuple[Path, str]:
         raise UsageError(f"{args.model} is neither a checkpoint directory nor a .gguf file")
     if path.is_dir():
         _check_config(path)
-    return path, args.model
+    return path, _name(path)
+
+
+def _name(path: Path) -> str:
+    """A model's name, not its path: a URL takes it as one segment (/v1/models/NAME); `..` and
+    `.` name the directory they stand for, a symbolic link its own name (not its target's, which
+    in a Hugging Face cache is a hash)."""
+    absolute = Path(os.path.abspath(path))
+    return absolute.stem if absolute.suffix.lower() == ".gguf" else absolute.name
 
 
 def _check_config(path: Path) -> None:
@@ -296,6 +305,7 @@ def _serve(args: argparse.Namespace) -> int:
     sock = _listen(server_config.host, server_config.port)
     model, model_name = _model(args)
     name = server_config.served_model_name or model_name
+    aliases = [args.model] if args.model is not None else []  # the path as given names it too
     from nanoserve.server.access import PrintableFormatter  # no torch: only the log format
 
     handler = logging.StreamHandler()
@@ -306,13 +316,18 @@ def _serve(args: argparse.Namespace) -> int:
     start = time.monotonic()
     engine = _engine(model, engine_config)
     try:
-        return _run_server(engine, name, server_config, sock, time.monotonic() - start)
+        return _run_server(engine, name, aliases, server_config, sock, time.monotonic() - start)
     finally:
         engine.close()
 
 
 def _run_server(
-    engine: Any, name: str, config: ServerConfig, sock: socket.socket, load_s: float
+    engine: Any,
+    name: str,
+    aliases: list[str],
+    config: ServerConfig,
+    sock: socket.socket,
+    load_s: float,
 ) -> int:
     import trio
 
@@ -321,7 +336,7 @@ def _run_server(
     from nanoserve.server.serve import serve
 
     serving = Serving(engine, max_queue=config.max_queue)
-    app = create_app(serving, name, config.api_key, config.max_body_bytes)
+    app = create_app(serving, name, config.api_key, config.max_body_bytes, aliases)
     log.info(
         "model %r loaded in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %s), context %d tokens",
         name, load_s, engine.num_blocks, engine.config.block_size, engine.kv_cache_bytes / 2**30,

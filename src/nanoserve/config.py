@@ -281,8 +281,9 @@ class ServerConfig:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on (0: any)", limit=_integer(0, 65535))
     served_model_name: str | None = setting(
-        None, "the model's name in the API", unset="MODEL as given, or SmolLM2-135M-Instruct"
-    )
+        None, "the model's id in the API (requests may also name the model MODEL, as given)",
+        unset="MODEL's file name without .gguf, its directory's name, or SmolLM2-135M-Instruct",
+    )  # fmt: skip
     api_key: str | None = setting(
         None, "require 'Authorization: Bearer KEY' on every route but /health",
         unset="none required",

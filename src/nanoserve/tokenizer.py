@@ -48,6 +48,7 @@ class Tokenizer:
         self._tok = tok
         self.chat_template = chat_template
         self.special_tokens = _special_tokens_map(config)
+        self.tokenizer_class = _tokenizer_class(config)
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
         eos_id = self._id_of(self.special_tokens.get("eos_token"))
@@ -85,6 +86,11 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """The tokens' vocabulary pieces ("Ġhello", "▁the", "<0x0A>"), as transformers'
+        convert_ids_to_tokens gives them."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
 
     def backend_json(self) -> str:
         """The `tokenizers` tokenizer as JSON (what llguidance builds its vocabulary from)."""
@@ -280,6 +286,15 @@ def _special_tokens_map(config: dict[str, Any]) -> dict[str, str]:
     names = ("bos_token", "eos_token", "unk_token", "pad_token")
     tokens = {name: _token_str(config.get(name)) for name in names}
     return {name: tok for name, tok in tokens.items() if tok is not None}
+
+
+def _tokenizer_class(config: dict[str, Any]) -> str:
+    """The tokenizer's transformers class as the checkpoint names it (tokenizer_config.json's
+    tokenizer_class, which AutoTokenizer loads); without one (a GGUF file, a bare
+    tokenizer.json), PreTrainedTokenizerFast: the class of a plain `tokenizers` tokenizer, which
+    is what nanoserve runs."""
+    name = config.get("tokenizer_class")
+    return name if isinstance(name, str) and name else "PreTrainedTokenizerFast"
 
 
 def _default_template(value: Any) -> str | None:

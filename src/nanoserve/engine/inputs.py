@@ -10,7 +10,7 @@ message (engine/channel.py). Owns nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -61,12 +61,17 @@ class StepInputs:
 
 @dataclass
 class _Lists:
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    rows: list[int]
-    tables: list[list[int]]
-    lens: list[int]
+    """The packed batch as lists, row by row, before they become tensors."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # rows whose next-token logits are wanted
+    tables: list[list[int]] = field(default_factory=list)  # per decode row
+    lens: list[int] = field(default_factory=list)  # per decode row
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    scoring_rows: list[int] = field(default_factory=list)
+    scoring: list[tuple[int, int, list[int], int]] = field(default_factory=list)
 
 
 def pack(
@@ -80,58 +85,71 @@ def pack(
     """Decodes (one new token each, or a verification's rows) must come first. `pad_to` adds
     decode rows that write no cache slot (-1), attend to one token and sample (`padding`: their
     logits are dropped); `table_width` fixes the decode tables' width (default: the longest)."""
-    lists = _Lists([], [], [], [], [], [])
-    prefills: list[PrefillChunk] = []
-    scoring_rows: list[int] = []
-    scoring: list[tuple[int, int, list[int], int]] = []
+    lists = _Lists()
     for index, chunk in enumerate(batch):
-        row = len(lists.ids)
-        positions = chunk.prompt_logprob_positions
-        if positions:
-            targets = list(chunk.token_ids[positions.start + 1 : positions.stop + 1])
-            scoring.append((index, len(scoring_rows), targets, chunk.prompt_logprobs))
-            scoring_rows += [row + p - chunk.start for p in positions]
-        start, n = chunk.start, chunk.num_new_tokens
-        lists.ids += chunk.token_ids[start : start + n]
-        lists.positions += range(start, start + n)
-        lists.slots += [slot(chunk.block_table, p, block_size) for p in range(start, start + n)]
-        if chunk.verifies:
-            lists.rows += range(row, row + n)
-        elif chunk.samples:
-            lists.rows.append(row + n - 1)
-        if n == 1 or chunk.verifies:
-            decode_table = list(chunk.block_table)
-            lists.tables += [decode_table] * n
-            lists.lens += range(start + 1, start + n + 1)
-        else:
-            table = chunk.block_table[: cdiv(start + n, block_size)]
-            prefills.append(PrefillChunk(row, n, start + n, _tensor(table, torch.int32, device)))
+        _add(lists, index, chunk, block_size, device)
     padding = 0
     if pad_to is not None:
-        if prefills:
+        if lists.prefills:
             raise ValueError("only a batch of decodes is padded")
         padding = pad_to - len(lists.ids)
         _pad(lists, padding)
-    width = table_width or max((len(t) for t in lists.tables), default=0)
-    tables = [t + [0] * (width - len(t)) for t in lists.tables]
-    meta = AttentionMetadata(
-        slot_mapping=_tensor(lists.slots, torch.int64, device),
-        num_decode=len(tables),
-        decode_block_tables=_tensor(tables, torch.int32, device).reshape(len(tables), width),
-        decode_context_lens=_tensor(lists.lens, torch.int32, device),
-        prefills=tuple(prefills),
-        backend=backend,
-    )
+    meta = _metadata(lists, device, backend, table_width)
     return StepInputs(
         _tensor(lists.ids, torch.int64, device),
         _tensor(lists.positions, torch.int64, device),
         meta,
         _tensor(lists.rows, torch.int64, device),
-        PromptScoring(_tensor(scoring_rows, torch.int64, device), tuple(scoring))
-        if scoring
-        else None,
+        _scoring(lists, device),
         padding,
     )
+
+
+def _add(lists: _Lists, index: int, chunk: Chunk, block_size: int, device: torch.device) -> None:
+    """Chunk `index` of the batch: its tokens' rows, and the rows that score its prompt."""
+    row = len(lists.ids)
+    positions = chunk.prompt_logprob_positions
+    if positions:
+        targets = list(chunk.token_ids[positions.start + 1 : positions.stop + 1])
+        lists.scoring.append((index, len(lists.scoring_rows), targets, chunk.prompt_logprobs))
+        lists.scoring_rows += [row + p - chunk.start for p in positions]
+    start, n = chunk.start, chunk.num_new_tokens
+    lists.ids += chunk.token_ids[start : start + n]
+    lists.positions += range(start, start + n)
+    lists.slots += [slot(chunk.block_table, p, block_size) for p in range(start, start + n)]
+    if chunk.verifies:
+        lists.rows += range(row, row + n)
+    elif chunk.samples:
+        lists.rows.append(row + n - 1)
+    if n == 1 or chunk.verifies:
+        decode_table = list(chunk.block_table)
+        lists.tables += [decode_table] * n
+        lists.lens += range(start + 1, start + n + 1)
+    else:
+        table = chunk.block_table[: cdiv(start + n, block_size)]
+        prefill = PrefillChunk(row, n, start + n, _tensor(table, torch.int32, device))
+        lists.prefills.append(prefill)
+
+
+def _metadata(
+    lists: _Lists, device: torch.device, backend: str, table_width: int | None
+) -> AttentionMetadata:
+    width = table_width or max((len(t) for t in lists.tables), default=0)
+    tables = [t + [0] * (width - len(t)) for t in lists.tables]
+    return AttentionMetadata(
+        slot_mapping=_tensor(lists.slots, torch.int64, device),
+        num_decode=len(tables),
+        decode_block_tables=_tensor(tables, torch.int32, device).reshape(len(tables), width),
+        decode_context_lens=_tensor(lists.lens, torch.int32, device),
+        prefills=tuple(lists.prefills),
+        backend=backend,
+    )
+
+
+def _scoring(lists: _Lists, device: torch.device) -> PromptScoring | None:
+    if not lists.scoring:
+        return None
+    return PromptScoring(_tensor(lists.scoring_rows, torch.int64, device), tuple(lists.scoring))
 
 
 def _pad(lists: _Lists, count: int) -> None:

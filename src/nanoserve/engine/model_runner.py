@@ -63,6 +63,7 @@ class ModelRunner:
         positions = config.max_model_len or mc.max_position_embeddings
         self.model = Llama(mc, self._load(checkpoint), positions, parallel)
         self.model_bytes = _held_bytes(self.model)  # weights, packed copies, RoPE tables
+        self._positions = positions
         layers = self.model.weights.layers
         # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.
         self.cpu_step: CpuDecodeStep | None = None
@@ -245,13 +246,15 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_cuda(self) -> int:
         """Blocks that fit in `gpu_memory_utilization` of the device after the weights and the
-        activations of the largest step, measured by running that step: one prefill of
-        max_num_batched_tokens tokens into a cache of just the blocks it needs."""
+        activations of the largest step, measured by running that step: prefills of
+        max_num_batched_tokens tokens in all into a cache of just the blocks they need, each no
+        longer than the model's positions (its RoPE table)."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        tokens, bs = self.config.max_num_batched_tokens, self.config.block_size
-        dummy = _Prefill([0] * tokens, list(range(cdiv(tokens, bs))))
-        caches = self._cache(len(dummy.block_table))
-        self._forward(self._pack([dummy]), caches)
+        dummies = largest_step(
+            self.config.max_num_batched_tokens, self._positions, self.config.block_size
+        )
+        caches = self._cache(dummies[-1].block_table[-1] + 1)
+        self._forward(self._pack(dummies), caches)
         torch.cuda.synchronize()
         # This engine's weights and activations, without the warm-up cache or other engines.
         peak = torch.cuda.max_memory_allocated(self.device) - self._baseline
@@ -298,6 +301,18 @@ def _tensors(obj: object, seen: set[int]) -> Iterator[torch.Tensor]:
             yield from _tensors(value, seen)
     elif hasattr(obj, "__dict__") and not isinstance(obj, type):
         yield from _tensors(vars(obj), seen)
+
+
+def largest_step(tokens: int, positions: int, block_size: int) -> list[_Prefill]:
+    """Prompts of dummy tokens, `tokens` in all, none longer than `positions`, each in blocks of
+    its own (numbered from 0): the largest prefill step an engine can be given."""
+    longest = positions // block_size * block_size or positions
+    dummies, used, blocks = [], 0, 0
+    while used < tokens:
+        n = min(longest, tokens - used)
+        dummies.append(_Prefill([0] * n, list(range(blocks, blocks + cdiv(n, block_size)))))
+        used, blocks = used + n, blocks + cdiv(n, block_size)
+    return dummies
 
 
 def _to(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:

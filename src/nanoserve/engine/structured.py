@@ -20,14 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nanoserve.grammar.checker import (
-    BUILD_STACK,
-    GrammarChecker,
-    closed_schema,
-    grammar_text,
-    on_stack,
-    public_message,
-)
+from nanoserve.grammar.checker import BUILD_STACK, GrammarChecker
+from nanoserve.grammar.compile import closed_schema, grammar_text, on_stack, public_message
 from nanoserve.grammar.limits import MAX_SCHEMA_DEPTH, GrammarError, check_sizes
 
 __all__ = ["GrammarCompiler", "GrammarError", "StructuredOutputsParams", "closed_schema"]

@@ -233,28 +233,8 @@ def _gemma3(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    pattern = _positive_int(d, "sliding_window_pattern", 6)
-    types = d.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-    ]
-    window = _positive_int(d, "sliding_window", 4096)
-    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
-    params = d.get("rope_parameters")
-    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
-        full = {"rope_theta": 1e6, "rope_parameters": params.get("full_attention") or {}}
-        local = {"rope_theta": 1e4, "rope_parameters": params.get("sliding_attention") or {}}
-    else:
-        full = {"rope_theta": d.get("rope_theta") or 1e6, "rope_parameters": params,
-                "rope_scaling": d.get("rope_scaling")}  # fmt: skip
-        local = {"rope_theta": d.get("rope_local_base_freq") or 1e4}
-    try:
-        rope = _rope_config({**full, "max_position_embeddings": d.get("max_position_embeddings")})
-    except ValueError as e:
-        raise ValueError(f"full_attention layers: {e}") from None
-    try:
-        local_rope = _rope_config(local)
-    except ValueError as e:
-        raise ValueError(f"sliding_attention layers: {e}") from None
+    windows = _gemma3_windows(d, layers)
+    rope, local_rope = _gemma3_ropes(d)
     attention_bias = _bool(d, "attention_bias", False)
     cap = d.get("final_logit_softcapping")
     cap = None if cap is None else _positive_number(d, "final_logit_softcapping")
@@ -284,6 +264,39 @@ def _gemma3(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         layer_windows=windows if any(windows) else (),
         local_rope=local_rope,
     )
+
+
+def _gemma3_windows(d: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: a global layer), from layer_types or, where it is absent,
+    from sliding_window_pattern (every pattern-th layer is global)."""
+    pattern = _positive_int(d, "sliding_window_pattern", 6)
+    types = d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    window = _positive_int(d, "sliding_window", 4096)
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _gemma3_ropes(d: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """The global layers' RoPE and the sliding layers': from rope_parameters' per-layer-type
+    sections, else from rope_theta and rope_scaling, and rope_local_base_freq."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full = {"rope_theta": 1e6, "rope_parameters": params.get("full_attention") or {}}
+        local = {"rope_theta": 1e4, "rope_parameters": params.get("sliding_attention") or {}}
+    else:
+        full = {"rope_theta": d.get("rope_theta") or 1e6, "rope_parameters": params,
+                "rope_scaling": d.get("rope_scaling")}  # fmt: skip
+        local = {"rope_theta": d.get("rope_local_base_freq") or 1e4}
+    try:
+        rope = _rope_config({**full, "max_position_embeddings": d.get("max_position_embeddings")})
+    except ValueError as e:
+        raise ValueError(f"full_attention layers: {e}") from None
+    try:
+        local_rope = _rope_config(local)
+    except ValueError as e:
+        raise ValueError(f"sliding_attention layers: {e}") from None
+    return rope, local_rope
 
 
 def _layer_windows(d: dict[str, Any], family: str) -> tuple[int, ...]:

@@ -5,10 +5,12 @@ The routes live in routes.py; nothing here owns anything of the engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import trio
 from quart_trio import QuartTrio
+from werkzeug.routing import PathConverter
 
 from nanoserve.config import ServerConfig
 from nanoserve.server.bridge import Serving
@@ -21,12 +23,15 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = ServerConfig.max_body_bytes,
+    aliases: Sequence[str] = (),
 ) -> QuartTrio:
-    """The app over `serving`; its engine task starts and stops with the app."""
+    """The app over `serving`, serving the model as `model_name` (requests may also call it by
+    one of `aliases`); its engine task starts and stops with the app."""
     app = App("nanoserve")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None  # the engine task is stopped below
-    api = OpenAIServer(serving, model_name, api_key, max_body_bytes)
+    app.url_map.converters["model_id"] = ModelId
+    api = OpenAIServer(serving, model_name, api_key, max_body_bytes, aliases)
     engine_scope = trio.CancelScope()
 
     async def run_engine(task_status: trio.TaskStatus[None]) -> None:
@@ -47,7 +52,7 @@ def create_app(
     app.add_url_rule("/v1/completions", view_func=api.completions, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=api.chat_completions, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=api.models, methods=["GET"])
-    app.add_url_rule("/v1/models/<path:model_id>", view_func=api.model, methods=["GET"])
+    app.add_url_rule("/v1/models/<model_id:model_id>", view_func=api.model, methods=["GET"])
     app.add_url_rule("/tokenize", view_func=api.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=api.detokenize, methods=["POST"])
     app.add_url_rule("/tokenizer_info", view_func=api.tokenizer_info, methods=["GET"])
@@ -56,6 +61,15 @@ def create_app(
     for exception, handler in error_handlers(max_body_bytes).items():
         app.register_error_handler(exception, handler)
     return app
+
+
+class ModelId(PathConverter):
+    """The rest of the path, slashes and all, a leading one too: the openai client asks for a
+    model called /home/me/x.gguf at /v1/models//home/me/x.gguf, which must not be merged into
+    /v1/models/home/me/x.gguf (a redirect to a model of another name)."""
+
+    regex = ".+"
+    part_isolating = False  # werkzeug infers True for a regex without a slash in it
 
 
 class App(QuartTrio):

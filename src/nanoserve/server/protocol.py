@@ -21,6 +21,7 @@ MAX_STOP = 16  # stop strings in one request (OpenAI allows 4)
 MAX_STOP_CHARS = 4096  # their total length
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids in one request
 MAX_TOOLS = 128  # tools in one chat request, OpenAI's limit: each one is in the prompt and grammar
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer, as in OpenAI's and vLLM's
 # Keys of chat_template_kwargs that the server itself sets: a client may not override them.
 SERVER_TEMPLATE_KEYS = frozenset(
     ["messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
@@ -58,6 +59,11 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
+
+    def asks(self) -> bool:
+        """Whether these options change a stream (unset, they change nothing)."""
+        return self.include_usage or self.continuous_usage_stats
 
 
 class JsonSchemaFormat(_Strict):
@@ -102,7 +108,7 @@ class _GenerationRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -118,7 +124,10 @@ class _GenerationRequest(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # Would change the answer and are not implemented: declared only to be refused by name.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Would change the answer and are not implemented: declared only to be refused by name (at
+    # their defaults they change nothing, and are accepted).
     logit_bias: dict[str, float] | None = None
     include_stop_str_in_output: bool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -134,7 +143,7 @@ class _GenerationRequest(_Strict):
     def refused(self) -> str | None:
         """The first set parameter that would change the answer and is not implemented."""
         unsupported = {
-            "logit_bias": bool(self.logit_bias),
+            "logit_bias": any((self.logit_bias or {}).values()),  # biases of 0 change nothing
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs.structural_tag": self.structured_outputs is not None
             and self.structured_outputs.structural_tag is not None,
@@ -194,7 +203,7 @@ class _GenerationRequest(_Strict):
     def check(self) -> None:
         if name := self.refused():
             raise InvalidRequest(f"{name} is not supported by this server", name)
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.asks() and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP or sum(len(s) for s in stops) > MAX_STOP_CHARS:
@@ -247,6 +256,12 @@ class _GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: usage so far in every chunk (with include_usage)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -414,7 +429,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check(self) -> None:
         super().check()
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 (vLLM's default) asks for nothing
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if len(self.tools or []) > MAX_TOOLS:
             raise InvalidRequest(
@@ -467,10 +482,16 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # refused: as in chat completions
+    return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give either prompt or messages", "prompt")
+        if self.continue_final_message:
+            raise InvalidRequest(
+                "continue_final_message is not supported by this server", "continue_final_message"
+            )
 
 
 class DetokenizeRequest(_Strict):

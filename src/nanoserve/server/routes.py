@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -51,10 +52,18 @@ LARGE_BODY = 2048  # tokens: a response with logprobs of more is built off the e
 class OpenAIServer:
     """The routes. Reads the engine's fixed facts (tokenizer, context length), nothing else."""
 
-    def __init__(self, serving: Serving, model_name: str, api_key: str | None, max_body_bytes: int):
+    def __init__(
+        self,
+        serving: Serving,
+        model_name: str,
+        api_key: str | None,
+        max_body_bytes: int,
+        aliases: Sequence[str] = (),
+    ):
         self.serving = serving
         self.tokenizer = serving.tokenizer
         self.model_name = model_name
+        self.model_names = {model_name, *aliases}  # what a request may call the model
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -111,7 +120,7 @@ class OpenAIServer:
             self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo,
             prompt_logprobs=req.prompt_logprobs is not None,
         )  # fmt: skip
-        return await self._respond(fmt, req.stream, req.include_usage, token_ids, params)
+        return await self._respond(fmt, req.stream, _usage(req), token_ids, params)
 
     async def chat_completions(self) -> Response:
         req: ChatCompletionRequest = parse(
@@ -155,7 +164,7 @@ class OpenAIServer:
         fmt = ChatFormat(
             self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, tools
         )
-        return await self._respond(fmt, req.stream, req.include_usage, [token_ids], params)
+        return await self._respond(fmt, req.stream, _usage(req), [token_ids], params)
 
     async def models(self) -> Response:
         return _json(ModelList(data=[self._card()]))
@@ -179,7 +188,12 @@ class OpenAIServer:
             tokens = await self._encode_chat(messages, req.add_generation_prompt, {})
         else:
             tokens = await self._encode(req.prompt or "", req.add_special_tokens)
-        body = {"tokens": tokens, "count": len(tokens), "max_model_len": self.serving.max_model_len}
+        body = {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": self.serving.max_model_len,
+            "token_strs": self.tokenizer.pieces(tokens) if req.return_token_strs else None,
+        }
         return Response(json.dumps(body), mimetype="application/json")
 
     async def detokenize(self) -> Response:
@@ -193,6 +207,7 @@ class OpenAIServer:
 
     async def tokenizer_info(self) -> Response:
         info = {
+            "tokenizer_class": self.tokenizer.tokenizer_class,
             **self.tokenizer.special_tokens,
             "chat_template": self.tokenizer.chat_template,
             "model_max_length": self.serving.max_model_len,
@@ -217,7 +232,7 @@ class OpenAIServer:
         self,
         fmt: ResponseFormat,
         stream: bool,
-        include_usage: bool,
+        usage: Usage,
         prompts: list[list[int]],
         params: SamplingParams,
     ) -> Response:
@@ -238,7 +253,7 @@ class OpenAIServer:
             # Logprobs of thousands of tokens take a second or more to build and serialize.
             text = await trio.to_thread.run_sync(body, thread_name="respond")
             return Response(text, mimetype="application/json")
-        events = self._events(fmt, include_usage, prompts, params, g.access)
+        events = self._events(fmt, usage, prompts, params, g.access)
         await anext(events)  # submits: a refusal raises here and gets its own status
         response = Response(
             events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -249,7 +264,7 @@ class OpenAIServer:
     async def _events(
         self,
         fmt: ResponseFormat,
-        include_usage: bool,
+        usage: Usage,
         prompts: list[list[int]],
         params: SamplingParams,
         access: AccessRecord,
@@ -264,11 +279,11 @@ class OpenAIServer:
                 yield b""
                 try:
                     for opening in fmt.opening(len(prompts)):
-                        yield _sse(opening)
-                    async with aclosing(self._chunks(fmt, streams)) as chunks:
+                        yield _sse(_with_usage(opening, fmt, usage))
+                    async with aclosing(self._chunks(fmt, streams, usage)) as chunks:
                         async for chunk in chunks:
                             yield chunk
-                    if include_usage:
+                    if usage.last:
                         yield _sse(fmt.usage_chunk())
                     ending = "200"
                 except Exception as e:  # mid-stream: the status line is gone, report in it
@@ -285,7 +300,7 @@ class OpenAIServer:
                 access.write(ending)
 
     async def _chunks(
-        self, fmt: ResponseFormat, streams: list[AsyncIterator[RequestOutput]]
+        self, fmt: ResponseFormat, streams: list[AsyncIterator[RequestOutput]], usage: Usage
     ) -> AsyncGenerator[bytes, None]:
         """Round robin over the prompts' streams: outputs are coalesced snapshots, so a stream
         waited on later loses nothing; each step usually advances all of them at once."""
@@ -295,7 +310,7 @@ class OpenAIServer:
                 index, outputs = entry
                 out = await anext(outputs)
                 for chunk in fmt.chunks(index, out):
-                    yield _sse(chunk)
+                    yield _sse(_with_usage(chunk, fmt, usage))
                 if out.finished:
                     pending.remove(entry)
 
@@ -320,7 +335,7 @@ class OpenAIServer:
             )
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise ModelNotFound(f"the model {model!r} does not exist (this server serves "
                                 f"{self.model_name!r})")  # fmt: skip
 
@@ -363,6 +378,25 @@ class OpenAIServer:
             return self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
         except ValueError as e:
             raise InvalidRequest(str(e), "messages") from None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Where a stream reports usage: in a last chunk of its own (include_usage), and so far in
+    every chunk (vLLM's continuous_usage_stats)."""
+
+    last: bool = False
+    every_chunk: bool = False
+
+
+def _usage(req: CompletionRequest | ChatCompletionRequest) -> Usage:
+    return Usage(req.include_usage, req.continuous_usage)
+
+
+def _with_usage(chunk: BaseModel, fmt: ResponseFormat, usage: Usage) -> BaseModel:
+    if not usage.every_chunk:
+        return chunk
+    return chunk.model_copy(update={"usage": fmt.streamed_usage()})
 
 
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

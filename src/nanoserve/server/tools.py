@@ -167,14 +167,19 @@ def rebased(schema: Any, pointer: str) -> Any:
         return [rebased(x, pointer) for x in schema]
     if not isinstance(schema, dict) or isinstance(schema.get("$id"), str):
         return schema
-    out = {k: v if k in _VALUES else rebased(v, pointer) for k, v in schema.items()}
-    for k in _NAMED & out.keys():
-        if isinstance(schema[k], dict):
-            out[k] = {name: rebased(v, pointer) for name, v in schema[k].items()}
+    out = {k: _rebased_part(k, v, pointer) for k, v in schema.items()}
     ref = schema.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
         out["$ref"] = "#" + pointer + ref[1:]
     return out
+
+
+def _rebased_part(key: str, value: Any, pointer: str) -> Any:
+    if key in _VALUES:
+        return value
+    if key in _NAMED and isinstance(value, dict):  # names, each of a schema
+        return {name: rebased(v, pointer) for name, v in value.items()}
+    return rebased(value, pointer)
 
 
 HERMES = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")

@@ -8,7 +8,7 @@ small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory spee
 rms_norm, rope_ and gated_mul do RMSNorm, rotary embedding and the gated MLP's activation (SwiGLU
 or GELU-tanh) in one C call each on the CPU.
 quantized_linear multiplies by a matrix kept in one of llama.cpp's GGUF block formats (QUANT_TYPES,
-the C module's table of formats; see kernels/quant.py) on the CPU's best instruction set
+the C module's table of formats; see quant.py) on the CPU's best instruction set
 (cpu_isa()), its input rounded to int16 (ACTIVATIONS).
 """
 

@@ -1,8 +1,8 @@
 """The C backend: hands data pointers, sizes and a dtype code to the compiled module _C, each
 argument by name.
 
-_C is built from the files in csrc/ by `pip install` (setup.py), which fails if it cannot build
-it. A source tree that was never built has no _C: every CPU kernel call then raises
+_C is built from the files in kernels/csrc/ by `pip install` (setup.py), which fails if it cannot
+build it. A source tree that was never built has no _C: every CPU kernel call then raises
 BackendUnavailableError with BUILD_HINT, never falling back to slower code in silence.
 """
 
@@ -34,16 +34,16 @@ def enabled() -> bool:
     return ENABLED
 
 
-# The dtype codes of the C module (enum ns_dtype in csrc/nanoserve.h).
+# The dtype codes of the C module (enum ns_dtype in kernels/csrc/nanoserve.h).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The most rows decode_layers takes where every matrix is in GGUF blocks (NS_STEP_ROWS).
 STEP_ROWS: int = _C.STEP_ROWS if _C is not None else 4
-# The most rows small_linear and decode_layers take (NS_GEMV_ROWS in csrc/nanoserve.h). The 4 is
-# only for a source tree that was never built, whose C kernels cannot run anyway.
+# The most rows small_linear and decode_layers take (NS_GEMV_ROWS in kernels/csrc/nanoserve.h). The
+# 4 is only for a source tree that was never built, whose C kernels cannot run anyway.
 GEMV_ROWS: int = _C.GEMV_ROWS if _C is not None else 4
 # The GGUF block formats the C kernels take, {name: (GGML type id, bytes of a block, values of a
-# block along K: 32, or 256 for a K-quant's super-block)}, from their one table (csrc/quant.c, a
-# row in each format's file); empty in a source tree that was never built.
+# block along K: 32, or 256 for a K-quant's super-block)}, from their one table
+# (kernels/csrc/quant.c, a row in each format's file); empty in a source tree that was never built.
 BLOCK_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.BLOCK_FORMATS) if _C is not None else {}
 
 
@@ -254,7 +254,7 @@ def check_positions(positions: torch.Tensor, table_rows: int) -> None:
 
 def layer_table(layers: list[dict[str, tuple[int, int]]]) -> object:
     """decode_layers' layers: per layer a dict {field: (data pointer, format)} naming every field
-    of the C step's struct layer_weights (csrc/decode_step.c): a layer's weights, as
+    of the C step's struct layer_weights (kernels/csrc/decode_step.c): a layer's weights, as
     src/nanoserve/model/weights.py's LayerWeights names them, then k_cache and v_cache. Format 0:
     floats of the step's dtype; else a QTYPE_CODES value, a matrix of GGUF blocks (rows of
     blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), which needs a float32 h

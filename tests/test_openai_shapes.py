@@ -1,0 +1,165 @@
+"""Requests as vLLM's own tests and today's OpenAI SDKs send them, over a real socket: fields at
+their defaults, OpenAI's bookkeeping fields, seeds across the signed 64-bit range, vLLM's
+continuous usage stats, /tokenize's token strings, /tokenizer_info's class, and the model
+retrieved by the name or the path it was served from (`nanoserve serve`).
+"""
+
+import json
+import signal
+
+import openai
+import pytest
+
+from nanoserve.default_model import default_model_path
+from nanoserve.testing.harness import MODEL_NAME, live_server, serve_command
+
+BLOCKS = 64
+C, X = "/v1/completions", "/v1/chat/completions"
+COMPLETION = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
+CHAT = {"model": MODEL_NAME, **MESSAGES, "max_tokens": 2}
+NO_USAGE = {"include_usage": False, "continuous_usage_stats": False}
+
+
+@pytest.fixture
+async def server(tiny_model_dir):
+    async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS) as s:
+        yield s
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (X, {**CHAT, "continue_final_message": False, "echo": False, "logit_bias": {}}),
+        (X, {**CHAT, "include_stop_str_in_output": False, "top_logprobs": 0}),
+        (C, {**COMPLETION, "logit_bias": {"5": 0}}),
+        (C, {**COMPLETION, "stream_options": NO_USAGE}),
+        (X, {**CHAT, "prompt_cache_key": "k", "safety_identifier": "user-1234"}),
+        (C, {**COMPLETION, "stream": True, "stream_options": {**NO_USAGE, "include_usage": True}}),
+        ("/tokenize", {**MESSAGES, "continue_final_message": False}),
+    ],
+    ids=["chat", "chat-logprobs", "logit-bias-0", "no-usage", "bookkeeping", "usage", "tokenize"],
+)
+async def test_fields_at_their_defaults_are_accepted(server, path, body):
+    """A field sent at its default changes nothing: no 400 for it."""
+    response = await server.http.post(path, json=body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (C, {**COMPLETION, "logit_bias": {"5": 0, "6": 1}}, "logit_bias"),
+        (X, {**CHAT, "continue_final_message": True}, "continue_final_message"),
+        ("/tokenize", {**MESSAGES, "continue_final_message": True}, "continue_final_message"),
+        (C, {**COMPLETION, "stream_options": {"continuous_usage_stats": True}}, "stream"),
+        (X, {**CHAT, "top_logprobs": 1}, "top_logprobs"),
+        (X, {**CHAT, "seed": 2**64 + 5}, "seed"),
+        (C, {**COMPLETION, "seed": 2**63}, "seed"),
+        (C, {**COMPLETION, "seed": -(2**63) - 1}, "seed"),
+    ],
+    ids=[
+        "logit-bias",
+        "continue",
+        "tokenize-continue",
+        "usage-unstreamed",
+        "top",
+        "seed",
+        "seed-max",
+        "seed-min",
+    ],
+)
+async def test_values_that_would_change_the_answer_are_400_naming_the_field(
+    server, path, body, param
+):
+    response = await server.http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["param"] in error["message"]
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 2**63 - 1])
+async def test_seeds_across_the_signed_64_bit_range_sample_and_reproduce(client, seed):
+    async def sample():
+        r = await client.completions.create(
+            model=MODEL_NAME, prompt="She wrote", max_tokens=8, temperature=1.0, seed=seed, n=2
+        )
+        return [c.text for c in r.choices]
+
+    first = await sample()
+    assert await sample() == first and len(first) == 2
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    the usage so far; the last one, of its own, the total."""
+    requests = [
+        (client.completions.create, {"prompt": "She wrote"}),
+        (client.chat.completions.create, MESSAGES),
+    ]
+    for create, extra in requests:
+        stream = await create(
+            model=MODEL_NAME, max_tokens=6, temperature=0, stream=True, **extra,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        assert all(c.usage is not None for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 6
+        assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+                   for c in chunks)  # fmt: skip
+        assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
+
+
+async def test_tokenize_returns_the_token_strings_when_asked(server):
+    """As vLLM's return_token_strs: the vocabulary's pieces, as transformers'
+    convert_ids_to_tokens gives them (byte-level "Ġ" for a space)."""
+    plain = (await server.http.post("/tokenize", json={"prompt": "Hello world"})).json()
+    assert plain["token_strs"] is None
+    body = {"prompt": "Hello world", "return_token_strs": True}
+    asked = (await server.http.post("/tokenize", json=body)).json()
+    assert asked["tokens"] == plain["tokens"]
+    assert asked["token_strs"] == ["<|begin_of_text|>", "H", "e", "ll", "o", "Ġwor", "ld"]
+
+
+async def test_tokenizer_info_names_the_checkpoints_tokenizer_class(tiny_model_dir, tmp_path):
+    async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS) as server:
+        info = (await server.http.get("/tokenizer_info")).json()
+        assert info["tokenizer_class"] == "PreTrainedTokenizerFast"  # as tokenizer_config says
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in tiny_model_dir.iterdir():
+        (model / file.name).symlink_to(file)
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").unlink()
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    async with live_server(model, num_kv_blocks=BLOCKS) as server:
+        info = (await server.http.get("/tokenizer_info")).json()
+        assert info["tokenizer_class"] == "GPT2Tokenizer"
+
+
+async def test_a_gguf_file_is_served_by_its_name_and_retrieved_by_name_or_path():
+    """`nanoserve serve /abs/path/X.gguf` serves the id X; the openai client retrieves it by
+    that name and by the path (/v1/models//abs/path/X.gguf, slashes kept), and a request may
+    name the model either way."""
+    path = default_model_path()
+    name = path.name.removesuffix(".gguf")
+    async with serve_command(path) as (proc, server):
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0
+        ) as client:
+            assert [m.id for m in (await client.models.list()).data] == [name]
+            assert (await client.models.retrieve(name)).id == name
+            assert (await client.models.retrieve(str(path))).id == name
+            for model in (name, str(path)):
+                r = await client.completions.create(model=model, prompt="Hi", max_tokens=1)
+                assert r.model == name
+            with pytest.raises(openai.NotFoundError):
+                await client.models.retrieve(str(path)[1:])
+            info = (await server.http.get("/tokenizer_info")).json()
+            assert info["tokenizer_class"] == "PreTrainedTokenizerFast"  # a GGUF names none
+        proc.send_signal(signal.SIGTERM)
+        assert await proc.wait() == 0
