@@ -84,10 +84,12 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def soak(session: nox.Session) -> None:
-    """Random clients against a live server for a few minutes (not in CI; `-- --seconds 60` for
-    a shorter run). Fails on any 5xx or leaked KV block; writes bench/results/soak.json."""
+    """Random clients against a live server on the default model for four minutes (not in CI;
+    `-- --seconds 60` for a shorter run). Fails on any 5xx, leaked KV block or RSS growth past
+    5% after the first minute; writes bench/results/soak.json."""
     session.install(TORCH)
     session.install("-e", ".[bench]")
+    session.install(*DEFAULT_MODEL)
     session.run("python", "-m", "bench.soak", *session.posargs)
 
 

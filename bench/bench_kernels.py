@@ -272,6 +272,7 @@ def windows(device: torch.device, time_ms, names: list[str], dtype: torch.dtype,
     found = []
     for name in [n for n in names if n != "torch"]:
         for window in sizes:
+
             def call(window=window, name=name, lens=lens):
                 kernels.paged_attention_decode(q, pool.k, pool.v, tables, lens, HEAD_DIM**-0.5,
                                                out, backend=name, window=window)  # fmt: skip

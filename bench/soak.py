@@ -1,14 +1,16 @@
 """Soak: random clients against a live server for a bounded time, then the bill.
 
-A real `nanoserve serve` process (harness.serve_command) on the demo model, measured from outside:
-its resident memory from /proc/PID/status, its KV blocks from /health. Clients arrive at a steady
-mean rate (Poisson), each with random parameters: completions or chat, streamed or unary, greedy
-or sampled (temperature, seed, top_p, top_k), stop strings, n, logprobs, max_tokens; some hang up
-at a random point, a few send a deliberately bad request. The pool is small enough that the
-engine preempts (or, with --kv-cache-memory, as large as the operator asks).
+A real `nanoserve serve` process (harness.serve_command) on the default model (SmolLM2, or
+`--model demo` or a path), measured from outside: its resident memory from /proc/PID/status, its
+KV blocks from /health. Clients arrive at a steady mean rate (Poisson), each with random
+parameters: completions or chat, streamed or unary, greedy or sampled (temperature, seed, top_p,
+top_k), stop strings, n, logprobs, echo, max_tokens, a JSON schema or tools under fresh names (so
+that the grammar cache turns over); some hang up at a random point, a few send a deliberately
+bad request. The pool is the server's default size (--kv-cache-memory 1), or --num-kv-blocks,
+small enough that the engine preempts.
 
-    python -m bench.soak [--seconds 180] [--rate 6] [--seed 0] [--model PATH]
-        [--kv-cache-memory GB] [--warm-up 60]
+    python -m bench.soak [--seconds 240] [--rate 1] [--seed 0] [--model PATH|demo]
+        [--kv-cache-memory GB | --num-kv-blocks N] [--warm-up 60]
 
 Prints a table; writes bench/results/soak.json (and soak.png with matplotlib). Exits 1 if any
 request got a 5xx (or a stream an error event), the server dropped a connection, a client hung,
@@ -31,6 +33,7 @@ from typing import Any
 import httpx
 import trio
 
+from nanoserve.default_model import default_model_path
 from nanoserve.demo import demo_model_dir
 from nanoserve.testing.crowd import WORDS
 from nanoserve.testing.harness import MODEL_NAME, LiveServer, serve_command, sse_data
@@ -96,6 +99,12 @@ def random_plan(rng: random.Random, hang_up_rate: float, bad_rate: float) -> Pla
     else:
         body["prompt"] = prompt
     body.update(_sampling(rng, chat))
+    constraint = _constraint(rng, chat)
+    if constraint:
+        body.update(constraint)
+        body.pop("ignore_eos", None)  # a finished constraint ends the output
+    elif not chat and rng.random() < 0.1:
+        body["echo"] = True
     if stream and rng.random() < 0.5:
         body["stream_options"] = {"include_usage": True}
     plan = Plan(X if chat else C, body)
@@ -108,6 +117,28 @@ def random_plan(rng: random.Random, hang_up_rate: float, bad_rate: float) -> Pla
         else:
             plan.hang_up_after_s = rng.uniform(0.0, 1.0)
     return plan
+
+
+def _constraint(rng: random.Random, chat: bool) -> dict[str, Any]:
+    """A JSON schema (one in 8 requests) or, in chat, tools (one in 10), under a fresh name, so
+    that each compiles anew and the grammar cache turns over."""
+    name = f"f{rng.randrange(10**9)}"
+    schema = {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]}
+    draw = rng.random()
+    if chat and draw < 0.1:
+        function = {"name": name, "parameters": schema}
+        return {"tools": [{"type": "function", "function": function}],
+                "tool_choice": rng.choice(["auto", "required"])}  # fmt: skip
+    if draw < 0.225:
+        if chat:
+            return {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "answer", "schema": schema},
+                }
+            }
+        return {"structured_outputs": {"json": schema}}  # fmt: skip
+    return {}
 
 
 def _sampling(rng: random.Random, chat: bool) -> dict[str, Any]:
@@ -260,10 +291,10 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
     """The server's flags: the clients' model name, the pool, the batch and queue limits."""
     flags = ["--served-model-name", MODEL_NAME]
     flags += ["--max-num-seqs", str(args.max_num_seqs)]
-    if args.kv_cache_memory is not None:
-        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    else:
+    if args.num_kv_blocks is not None:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    else:
+        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.max_queue is not None:
         flags += ["--max-queue", str(args.max_queue)]
     return flags
@@ -344,12 +375,12 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=180.0, help="arrival window")
-    parser.add_argument("--rate", type=float, default=6.0, help="mean arrivals per second")
+    parser.add_argument("--seconds", type=float, default=240.0, help="arrival window")
+    parser.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", type=Path, default=None, help="default: the demo model")
-    parser.add_argument("--num-kv-blocks", type=int, default=32, help="small: forces preemption")
-    parser.add_argument("--kv-cache-memory", type=float, help="GiB, instead of --num-kv-blocks")
+    parser.add_argument("--model", default=None, help="a path, or demo; default: SmolLM2")
+    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB")
+    parser.add_argument("--num-kv-blocks", type=int, help="instead (32: forces preemption)")
     parser.add_argument("--warm-up", type=float, default=60.0, help="seconds before RSS counts")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=None, help="503 past this many waiting")
@@ -357,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bad-rate", type=float, default=0.05)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    args.model = args.model or demo_model_dir()
+    args.model = (
+        demo_model_dir() if args.model == "demo" else Path(args.model or default_model_path())
+    )
     result = trio.run(soak, args)
     report(result, args.out)
     bad = ("5xx", "bad_accepted", "broken", "stuck", "server_error", "blocks_leaked")

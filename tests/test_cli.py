@@ -99,7 +99,7 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir, tmp_pa
         (["--max-queue", "0"], ["--max-queue must be an integer >= 1", "got 0"]),
         (["--num-kv-blocks", "0"], ["--num-kv-blocks must be", "(default: from --kv-cache"]),
         (["--default-max-tokens", "0"], ["--default-max-tokens must be an integer >= 1, got 0"]),
-        (["--kv-cache-memory", "0"], ["--kv-cache-memory must be a number > 0, got 0.0"]),
+        (["--kv-cache-memory", "0"], ["--kv-cache-memory must be a number > 0", "got 0.0"]),
         (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization must be", "(0, 1]"]),
         (["-tp", "0"], ["--tensor-parallel-size must be an integer >= 1, got 0"]),
         (["--device", "gpu"], ["--device must be cpu, cuda or cuda:N, got gpu"]),

@@ -120,6 +120,17 @@ def test_the_offline_llm_holds_its_pool_once_built(tiny_model_dir):
     assert llm.engine.kv_cache_bytes > 0.99 * 0.25 * GiB
 
 
+def test_by_default_a_small_model_holds_only_what_its_sequences_can_fill(tiny_model_factory):
+    """Without kv_cache_memory_gb the pool is 1 GiB, or every sequence at max_model_len where that
+    is less: a tiny model's pages are all written at start, and none is idle forever."""
+    model_dir = tiny_model_factory(max_position_embeddings=256)
+    llm = LLM(str(model_dir), max_num_seqs=8)
+    assert llm.engine.num_blocks == 8 * 256 // 16
+    assert llm.engine.max_model_len == 256
+    bigger = LLM(str(model_dir), max_num_seqs=8, kv_cache_memory_gb=0.01)
+    assert bigger.engine.num_blocks > 8 * 256 // 16  # given: as asked, for the prefix cache
+
+
 # -- /metrics ------------------------------------------------------------------------------------
 
 

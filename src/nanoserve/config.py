@@ -107,6 +107,9 @@ def _number(rule: str, test: Callable[[float], bool]) -> Limit:
     return Limit(rule, lambda v: _is_number(v) and test(v))
 
 
+# The CPU's KV cache when kv_cache_memory_gb is not given: its pages are written at start, so a
+# small model gets no more than its sequences can fill.
+DEFAULT_KV_CACHE_GB = 1.0
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 POSITIVE = _integer(1)
 POWER_OF_2 = Limit("a power of 2", lambda v: _is_int(v) and v > 0 and v & (v - 1) == 0)
@@ -210,9 +213,11 @@ class EngineConfig:
         None, "KV cache blocks", limit=POSITIVE,
         unset="from --kv-cache-memory, or from free GPU memory",
     )  # fmt: skip
-    kv_cache_memory_gb: float = setting(
-        1.0, "CPU: GiB for the KV cache", flag="--kv-cache-memory",
+    kv_cache_memory_gb: float | None = setting(
+        None, "CPU: GiB for the KV cache", flag="--kv-cache-memory",
         limit=_number("a number > 0", lambda v: v > 0),
+        unset=f"{DEFAULT_KV_CACHE_GB:g} GiB, or what max_num_seqs sequences of max_model_len "
+        "tokens fill where that is less",
     )  # fmt: skip
     gpu_memory_utilization: float = setting(
         0.9, "CUDA: share of device memory for weights and KV cache",

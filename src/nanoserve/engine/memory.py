@@ -225,10 +225,12 @@ def check_fits(config: EngineConfig, pools: Pools, room: Headroom) -> None:
         raise NotEnoughMemory("num_kv_blocks", config.num_kv_blocks, f"at most {fit} to fit "
                               f"in memory: {figures}")  # fmt: skip
     largest = _floor(fit * pools.setting_block_bytes / GiB)
+    asked = config.kv_cache_memory_gb  # or the default's, as sized
+    if asked is None:
+        asked = float(_floor(pools.blocks * pools.setting_block_bytes / GiB))
     raise NotEnoughMemory(
-        "kv_cache_memory_gb", config.kv_cache_memory_gb, f"at most {largest} to fit in memory: "
-        f"{figures}",
-    )  # fmt: skip
+        "kv_cache_memory_gb", asked, f"at most {largest} to fit in memory: {figures}"
+    )
 
 
 def _longest_context(pools: Pools, room: Headroom, block_size: int) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import DEFAULT_KV_CACHE_GB, EngineConfig
 from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.inputs import Chunk, PromptScoring, StepInputs, pack
 from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv, take_cache
@@ -236,12 +236,15 @@ class ModelRunner:
         )  # fmt: skip
 
     def _pool_size(self) -> int:
-        if self.device.type != "cuda":
-            # kv_cache_memory_gb is the whole cache's, all ranks' (one host's memory): the same
-            # pool as one process, each rank holding its heads' share of every block.
-            whole_block = self.block_bytes * self.parallel.size
+        if self.device.type == "cuda":
+            return self._profile_cuda()
+        # kv_cache_memory_gb is the whole cache's, all ranks' (one host's memory): the same pool
+        # as one process, each rank holding its heads' share of every block.
+        whole_block = self.block_bytes * self.parallel.size
+        if self.config.kv_cache_memory_gb is not None:
             return int(self.config.kv_cache_memory_gb * 2**30 // whole_block)
-        return self._profile_cuda()
+        full = self.config.max_num_seqs * cdiv(self._positions, self.config.block_size)
+        return min(int(DEFAULT_KV_CACHE_GB * 2**30 // whole_block), full)
 
     @torch.inference_mode()
     def _profile_cuda(self) -> int:
