@@ -1,8 +1,8 @@
 /* The interface of the quantized matmul's block formats and their kernels: what a format is
  * (ns_block_format), the quantized activations and the matmul the kernels compute. quant.c drives
  * them (the path, the activations, the threads) and holds the one table of formats; each format's
- * file (quant_<name>.c) holds its block struct (ggml's), its row of that table and its kernels, one
- * per instruction set.
+ * file (quant_<name>.c) holds its reference kernel and its row of that table; quant_blocks.h its
+ * block struct (ggml's), quant_simd.h its SIMD unpacking, compiled once per instruction set.
  *
  * Weights stay in llama.cpp's GGUF block formats, byte for byte: rows of blocks of 32 values
  * along K, or of super-blocks of 256 (the K-quants), whose 32-value sub-blocks (Q6_K: pairs of
@@ -70,6 +70,9 @@ typedef struct {
 /* A kernel: out[:, n0:n1] of a matmul. Each out[m, n] is the same operations on row m of x and
  * row n of W whatever n0, n1 and M (bitwise row invariance). */
 typedef void (*ns_matmul_fn)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
+/* The same as a function type: a format's file declares with it the SIMD kernels that
+ * quant_simd.h defines (quant_avx2.c and the others compile it). */
+typedef void ns_matmul_kernel(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
 
 /* The paths, in order of preference; kernels.cpu_isa() names the first three, VNNI is an option
  * of the AVX-512 one. */
@@ -101,7 +104,7 @@ static inline int ns_block_values(const ns_block_format *f) {
     return f->block_values ? f->block_values : QK;
 }
 
-/* The SIMD kernels' order of a block's values (see quant_strips_avx512.h): register p[j] of an
+/* The SIMD kernels' order of a block's values (see quant_strips.h): register p[j] of an
  * unpacked block holds values order[2j] and order[2j + 1] of each row, so the activations are laid
  * out alike. A 4-bit block unpacks its bytes' nibbles, a Q8_0 block its bytes, 4 bytes a lane. */
 static const uint8_t NS_NIBBLE_PAIRS[QK] = {0,  2,  16, 18, 1,  3,  17, 19, 4,  6,  20,

@@ -1,18 +1,8 @@
 /* Q4_0 (block_q4_0: fp16 d, 16 bytes of nibbles q; value (q - 8) d): quantize and de-quantize a
- * block as gguf does, and the matmul's kernels, one per path: portable C (the reference), AVX2,
- * AVX-512 and AVX-512 with VNNI. The SIMD kernels are quant_strips_*.h's drivers with this
- * format's unpacking, which takes the 8 off each value as it widens it.
+ * block as gguf does, the portable matmul (the reference) and the format's row of the table of
+ * formats, whose SIMD kernels (quant_simd.h) take the 8 off each value as they widen it.
  */
-#include "quant.h"
-#include "quant_strips_avx2.h"
-#include "quant_strips_avx512.h"
-
-/* value j = (q_j - 8) d, q_j a nibble of qs */
-typedef struct {
-    uint16_t d; /* fp16 */
-    uint8_t qs[QK / 2];
-} block_q4_0;
-_Static_assert(sizeof(block_q4_0) == 18 && sizeof(block_q4_0) <= NS_MAX_BLOCK_BYTES, "GGUF Q4_0");
+#include "quant_blocks.h"
 
 #include <math.h>
 
@@ -73,44 +63,7 @@ static void q4_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
 }
 
 #if NS_X86
-/* ---------------------------------------------------------------- AVX2 */
-
-/* The blocks at w of 8 rows: nibble pairs less 8 (NS_NIBBLE_PAIRS). */
-AVX2_INLINE void q4_0_unpack_avx2(strip8 *s, const char *w, size_t stride) {
-    const block_q4_0 *b = (const block_q4_0 *)w;
-    strip_heads_avx2(&s->d, &s->m, w, stride, 0);
-    __m256i g[4];
-    transpose_rows_avx2(g, (const char *)b->qs, stride);
-    nibble_pairs_avx2(s->p, g, 8);
-}
-
-static const strip8_format Q4_0_AVX2 = {q4_0_unpack_avx2, sizeof(block_q4_0), 0};
-
-AVX2_KERNEL void q4_0_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx2(a, n0, n1, Q4_0_AVX2);
-}
-
-/* ---------------------------------------------------------------- AVX-512 */
-
-/* The blocks at w of 16 rows: nibble pairs less 8 (NS_NIBBLE_PAIRS). */
-AVX512_INLINE void q4_0_unpack_avx512(strip16 *s, const char *w, size_t stride) {
-    const block_q4_0 *b = (const block_q4_0 *)w;
-    strip_heads_avx512(&s->d, &s->m, w, stride, 0);
-    __m512i g[4];
-    transpose_rows_avx512(g, (const char *)b->qs, stride);
-    nibble_pairs_avx512(s->p, g, 8);
-}
-
-static const strip16_format Q4_0_AVX512 = {q4_0_unpack_avx512, sizeof(block_q4_0), 0};
-
-AVX512_KERNEL void q4_0_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx512(a, n0, n1, Q4_0_AVX512, 0);
-}
-
-AVX512_KERNEL void q4_0_matmul_avx512_vnni(const ns_qmm *a, Py_ssize_t n0,
-                                           Py_ssize_t n1) {
-    matmul_avx512(a, n0, n1, Q4_0_AVX512, 1);
-}
+extern ns_matmul_kernel q4_0_matmul_avx2, q4_0_matmul_avx512, q4_0_matmul_avx512_vnni;
 #endif
 
 /* This format's row of the table of formats (quant.c). */

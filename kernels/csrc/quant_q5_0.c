@@ -1,19 +1,11 @@
 /* Q5_0 (block_q5_0: fp16 d, 32 bits qh of fifth bits, 16 bytes of nibbles; value (q - 16) d):
- * quantize and de-quantize a block as gguf does, and the matmul's kernels, one per path: portable
- * C (the reference), AVX2, AVX-512 and AVX-512 with VNNI. The SIMD kernels are quant_strips_*.h's
- * drivers with this format's unpacking (quant_q5.h), which takes the 16 off each value.
+ * quantize and de-quantize a block as gguf does, the portable matmul (the reference) and the
+ * format's row of the table of formats, whose SIMD kernels (quant_simd.h) take the 16 off each
+ * value.
  */
 #include "quant_q5.h"
 
 #include <math.h>
-
-/* value j = (q_j - 16) d, q_j = nibble j of qs | bit j of qh << 4 */
-typedef struct {
-    uint16_t d; /* fp16 */
-    uint8_t qh[4];
-    uint8_t qs[QK / 2];
-} block_q5_0;
-_Static_assert(sizeof(block_q5_0) == 22 && sizeof(block_q5_0) <= NS_MAX_BLOCK_BYTES, "GGUF Q5_0");
 
 static uint32_t q5_0_qh(const block_q5_0 *b) {
     uint32_t qh;
@@ -76,43 +68,7 @@ static void q5_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
 }
 
 #if NS_X86
-/* ---------------------------------------------------------------- AVX2 */
-
-/* The blocks at w of 8 rows: 5-bit pairs less 16 (NS_NIBBLE_PAIRS). */
-AVX2_INLINE void q5_0_unpack_avx2(strip8 *s, const char *w, size_t stride) {
-    const block_q5_0 *b = (const block_q5_0 *)w;
-    strip_heads_avx2(&s->d, &s->m, w, stride, 0);
-    __m256i g[4];
-    transpose_rows_avx2(g, (const char *)b->qs, stride);
-    q5_pairs_avx2(s->p, g, q5_qh_avx2(w, stride, offsetof(block_q5_0, qh)), 16);
-}
-
-static const strip8_format Q5_0_AVX2 = {q5_0_unpack_avx2, sizeof(block_q5_0), 0};
-
-AVX2_KERNEL void q5_0_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx2(a, n0, n1, Q5_0_AVX2);
-}
-
-/* ---------------------------------------------------------------- AVX-512 */
-
-/* The blocks at w of 16 rows: 5-bit pairs less 16 (NS_NIBBLE_PAIRS). */
-AVX512_INLINE void q5_0_unpack_avx512(strip16 *s, const char *w, size_t stride) {
-    const block_q5_0 *b = (const block_q5_0 *)w;
-    strip_heads_avx512(&s->d, &s->m, w, stride, 0);
-    __m512i g[4];
-    transpose_rows_avx512(g, (const char *)b->qs, stride);
-    q5_pairs_avx512(s->p, g, q5_qh_avx512(w, stride, offsetof(block_q5_0, qh)), 16);
-}
-
-static const strip16_format Q5_0_AVX512 = {q5_0_unpack_avx512, sizeof(block_q5_0), 0};
-
-AVX512_KERNEL void q5_0_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx512(a, n0, n1, Q5_0_AVX512, 0);
-}
-
-AVX512_KERNEL void q5_0_matmul_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx512(a, n0, n1, Q5_0_AVX512, 1);
-}
+extern ns_matmul_kernel q5_0_matmul_avx2, q5_0_matmul_avx512, q5_0_matmul_avx512_vnni;
 #endif
 
 /* This format's row of the table of formats (quant.c). */

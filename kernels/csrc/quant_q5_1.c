@@ -1,18 +1,9 @@
 /* Q5_1 (block_q5_1: fp16 d, fp16 m, 32 bits qh of fifth bits, 16 bytes of nibbles; value q d + m):
- * quantize and de-quantize a block as gguf does, and the matmul's kernels, one per path: portable
- * C (the reference), AVX2, AVX-512 and AVX-512 with VNNI. The SIMD kernels are quant_strips_*.h's
- * drivers with this format's unpacking (quant_q5.h). The min's share of a block's dot is
- * m dx sum(q): m times the activations' sx, as Q4_1's.
+ * quantize and de-quantize a block as gguf does, the portable matmul (the reference) and the
+ * format's row of the table of formats (its SIMD kernels: quant_simd.h). The min's share of a
+ * block's dot is m dx sum(q): m times the activations' sx, as Q4_1's.
  */
 #include "quant_q5.h"
-
-/* value j = q_j d + m, q_j = nibble j of qs | bit j of qh << 4 */
-typedef struct {
-    uint16_t d, m; /* fp16 */
-    uint8_t qh[4];
-    uint8_t qs[QK / 2];
-} block_q5_1;
-_Static_assert(sizeof(block_q5_1) == 24 && sizeof(block_q5_1) <= NS_MAX_BLOCK_BYTES, "GGUF Q5_1");
 
 static uint32_t q5_1_qh(const block_q5_1 *b) {
     uint32_t qh;
@@ -76,43 +67,7 @@ static void q5_1_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
 }
 
 #if NS_X86
-/* ---------------------------------------------------------------- AVX2 */
-
-/* The blocks at w of 8 rows: d, m and the 5-bit pairs (NS_NIBBLE_PAIRS). */
-AVX2_INLINE void q5_1_unpack_avx2(strip8 *s, const char *w, size_t stride) {
-    const block_q5_1 *b = (const block_q5_1 *)w;
-    strip_heads_avx2(&s->d, &s->m, w, stride, 1);
-    __m256i g[4];
-    transpose_rows_avx2(g, (const char *)b->qs, stride);
-    q5_pairs_avx2(s->p, g, q5_qh_avx2(w, stride, offsetof(block_q5_1, qh)), 0);
-}
-
-static const strip8_format Q5_1_AVX2 = {q5_1_unpack_avx2, sizeof(block_q5_1), 1};
-
-AVX2_KERNEL void q5_1_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx2(a, n0, n1, Q5_1_AVX2);
-}
-
-/* ---------------------------------------------------------------- AVX-512 */
-
-/* The blocks at w of 16 rows: d, m and the 5-bit pairs (NS_NIBBLE_PAIRS). */
-AVX512_INLINE void q5_1_unpack_avx512(strip16 *s, const char *w, size_t stride) {
-    const block_q5_1 *b = (const block_q5_1 *)w;
-    strip_heads_avx512(&s->d, &s->m, w, stride, 1);
-    __m512i g[4];
-    transpose_rows_avx512(g, (const char *)b->qs, stride);
-    q5_pairs_avx512(s->p, g, q5_qh_avx512(w, stride, offsetof(block_q5_1, qh)), 0);
-}
-
-static const strip16_format Q5_1_AVX512 = {q5_1_unpack_avx512, sizeof(block_q5_1), 1};
-
-AVX512_KERNEL void q5_1_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx512(a, n0, n1, Q5_1_AVX512, 0);
-}
-
-AVX512_KERNEL void q5_1_matmul_avx512_vnni(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx512(a, n0, n1, Q5_1_AVX512, 1);
-}
+extern ns_matmul_kernel q5_1_matmul_avx2, q5_1_matmul_avx512, q5_1_matmul_avx512_vnni;
 #endif
 
 /* This format's row of the table of formats (quant.c). */

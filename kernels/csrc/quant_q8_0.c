@@ -1,17 +1,8 @@
 /* Q8_0 (block_q8_0: fp16 d, 32 int8 q; value q d): quantize and de-quantize a block as gguf does,
- * and the matmul's kernels, one per path: portable C (the reference), AVX2, AVX-512 and AVX-512
- * with VNNI. The SIMD kernels are quant_strips_*.h's drivers with this format's unpacking.
+ * the portable matmul (the reference) and the format's row of the table of formats (its SIMD
+ * kernels: quant_simd.h).
  */
-#include "quant.h"
-#include "quant_strips_avx2.h"
-#include "quant_strips_avx512.h"
-
-/* value j = qs[j] d */
-typedef struct {
-    uint16_t d; /* fp16 */
-    int8_t qs[QK];
-} block_q8_0;
-_Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q8_0) <= NS_MAX_BLOCK_BYTES, "GGUF Q8_0");
+#include "quant_blocks.h"
 
 #include <math.h>
 
@@ -58,59 +49,7 @@ static void q8_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
 }
 
 #if NS_X86
-/* ---------------------------------------------------------------- AVX2 */
-
-/* The blocks at w of 8 rows: lane bytes b0..b3 (values 4q..4q+3 of a half) as the pairs
- * (b0, b2) and (b1, b3), sign-extended (NS_BYTE_PAIRS). */
-AVX2_INLINE void q8_0_unpack_avx2(strip8 *s, const char *w, size_t stride) {
-    const block_q8_0 *b = (const block_q8_0 *)w;
-    strip_heads_avx2(&s->d, &s->m, w, stride, 0);
-    __m256i g[4], g1[4];
-    transpose_rows_avx2(g, (const char *)b->qs, stride);
-    transpose_rows_avx2(g1, (const char *)b->qs + 16, stride);
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; q++) {
-        s->p[2 * q] = _mm256_srai_epi16(_mm256_slli_epi16(g[q], 8), 8);
-        s->p[2 * q + 1] = _mm256_srai_epi16(g[q], 8);
-        s->p[8 + 2 * q] = _mm256_srai_epi16(_mm256_slli_epi16(g1[q], 8), 8);
-        s->p[8 + 2 * q + 1] = _mm256_srai_epi16(g1[q], 8);
-    }
-}
-
-static const strip8_format Q8_0_AVX2 = {q8_0_unpack_avx2, sizeof(block_q8_0), 0};
-
-AVX2_KERNEL void q8_0_matmul_avx2(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx2(a, n0, n1, Q8_0_AVX2);
-}
-
-/* ---------------------------------------------------------------- AVX-512 */
-
-/* The blocks at w of 16 rows, as q8_0_unpack_avx2. */
-AVX512_INLINE void q8_0_unpack_avx512(strip16 *s, const char *w, size_t stride) {
-    const block_q8_0 *b = (const block_q8_0 *)w;
-    strip_heads_avx512(&s->d, &s->m, w, stride, 0);
-    __m512i g[4], g1[4];
-    transpose_rows_avx512(g, (const char *)b->qs, stride);
-    transpose_rows_avx512(g1, (const char *)b->qs + 16, stride);
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; q++) {
-        s->p[2 * q] = _mm512_srai_epi16(_mm512_slli_epi16(g[q], 8), 8);
-        s->p[2 * q + 1] = _mm512_srai_epi16(g[q], 8);
-        s->p[8 + 2 * q] = _mm512_srai_epi16(_mm512_slli_epi16(g1[q], 8), 8);
-        s->p[8 + 2 * q + 1] = _mm512_srai_epi16(g1[q], 8);
-    }
-}
-
-static const strip16_format Q8_0_AVX512 = {q8_0_unpack_avx512, sizeof(block_q8_0), 0};
-
-AVX512_KERNEL void q8_0_matmul_avx512(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    matmul_avx512(a, n0, n1, Q8_0_AVX512, 0);
-}
-
-AVX512_KERNEL void q8_0_matmul_avx512_vnni(const ns_qmm *a, Py_ssize_t n0,
-                                           Py_ssize_t n1) {
-    matmul_avx512(a, n0, n1, Q8_0_AVX512, 1);
-}
+extern ns_matmul_kernel q8_0_matmul_avx2, q8_0_matmul_avx512, q8_0_matmul_avx512_vnni;
 #endif
 
 /* This format's row of the table of formats (quant.c). */

@@ -1,0 +1,319 @@
+/* Each format's SIMD unpacking and kernel, written once for any vector width: quant_avx2.c,
+ * quant_avx512.c and quant_avx512_vnni.c compile this once per instruction set, after its
+ * vocabulary (quant_isa_*.h), into q4_0_matmul_avx2, q4_0_matmul_avx512, q4_0_matmul_avx512_vnni
+ * and the others, which the formats' rows of the table of formats (quant_<name>.c) point to.
+ *
+ * An unpack reads the blocks at w of STRIP_W rows of W (row c's at w + c stride) into a strip
+ * (quant_strips.h): each column's scales and its values as the pairs of the format's `pairs`
+ * (quant.h). A K-quant's unpacks a whole super-block, each sub-block j into s[j], from one
+ * transpose of each 16 bytes of W.
+ */
+#include "quant_blocks.h"
+#include "quant_f16.h"
+#include "quant_strips.h"
+
+/* ---------------------------------------------------------------- Q8_0 */
+
+/* Lane bytes b0..b3 (values 4q..4q+3 of a half) as the pairs (b0, b2) and (b1, b3),
+ * sign-extended (NS_BYTE_PAIRS). */
+NS_INLINE void q8_0_unpack(strip *s, const char *w, size_t stride) {
+    const block_q8_0 *b = (const block_q8_0 *)w;
+    strip_heads(&s->d, &s->m, w, stride, 0);
+    ivec g[4], g1[4];
+    transpose_rows(g, (const char *)b->qs, stride);
+    transpose_rows(g1, (const char *)b->qs + 16, stride);
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) {
+        s->p[2 * q] = iv_sar16(iv_shl16(g[q], 8), 8);
+        s->p[2 * q + 1] = iv_sar16(g[q], 8);
+        s->p[8 + 2 * q] = iv_sar16(iv_shl16(g1[q], 8), 8);
+        s->p[8 + 2 * q + 1] = iv_sar16(g1[q], 8);
+    }
+}
+
+static const strip_format Q8_0_STRIPS = {q8_0_unpack, sizeof(block_q8_0), 0};
+
+NS_KERNEL void ISA_NAME(q8_0_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, Q8_0_STRIPS);
+}
+
+/* ---------------------------------------------------------------- Q4_0, Q4_1 */
+
+/* d and the nibble pairs less 8 (NS_NIBBLE_PAIRS). */
+NS_INLINE void q4_0_unpack(strip *s, const char *w, size_t stride) {
+    strip_heads(&s->d, &s->m, w, stride, 0);
+    ivec g[4];
+    transpose_rows(g, (const char *)((const block_q4_0 *)w)->qs, stride);
+    nibble_pairs(s->p, g, 8);
+}
+
+/* d, m and the nibble pairs (NS_NIBBLE_PAIRS). */
+NS_INLINE void q4_1_unpack(strip *s, const char *w, size_t stride) {
+    strip_heads(&s->d, &s->m, w, stride, 1);
+    ivec g[4];
+    transpose_rows(g, (const char *)((const block_q4_1 *)w)->qs, stride);
+    nibble_pairs(s->p, g, 0);
+}
+
+static const strip_format Q4_0_STRIPS = {q4_0_unpack, sizeof(block_q4_0), 0};
+static const strip_format Q4_1_STRIPS = {q4_1_unpack, sizeof(block_q4_1), 1};
+
+NS_KERNEL void ISA_NAME(q4_0_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, Q4_0_STRIPS);
+}
+
+NS_KERNEL void ISA_NAME(q4_1_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, Q4_1_STRIPS);
+}
+
+/* ---------------------------------------------------------------- Q5_0, Q5_1 */
+
+/* p[j] of a 5-bit block: nibble pairs (nibble_pairs of g) with qh's bits (lane c: row c's qh) at
+ * bit 4 of each int16, less zero_point (Q5_0's 16). A pair's two values are 2 apart, so each
+ * takes its own shift: the low int16 of pair 4q + i is value 4q + (i & 1) 16 + i / 2. */
+NS_INLINE void q5_pairs(ivec p[16], const ivec g[4], ivec qh, const int zero_point) {
+    nibble_pairs(p, g, 0);
+    const ivec lo = iv_set32(0x10), hi = iv_set32(0x100000), zp = iv_set16(zero_point);
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const int l = 4 * q + (i & 1) * 16 + (i >> 1);
+            ivec v = iv_or_and(p[4 * q + i], iv_shift32(qh, 4 - l), lo);
+            v = iv_or_and(v, iv_shift32(qh, 18 - l), hi);
+            p[4 * q + i] = zero_point ? iv_sub16(v, zp) : v;
+        }
+}
+
+/* d and the 5-bit pairs less 16 (NS_NIBBLE_PAIRS). */
+NS_INLINE void q5_0_unpack(strip *s, const char *w, size_t stride) {
+    strip_heads(&s->d, &s->m, w, stride, 0);
+    ivec g[4];
+    transpose_rows(g, (const char *)((const block_q5_0 *)w)->qs, stride);
+    q5_pairs(s->p, g, row_words(w + offsetof(block_q5_0, qh), stride), 16);
+}
+
+/* d, m and the 5-bit pairs (NS_NIBBLE_PAIRS). */
+NS_INLINE void q5_1_unpack(strip *s, const char *w, size_t stride) {
+    strip_heads(&s->d, &s->m, w, stride, 1);
+    ivec g[4];
+    transpose_rows(g, (const char *)((const block_q5_1 *)w)->qs, stride);
+    q5_pairs(s->p, g, row_words(w + offsetof(block_q5_1, qh), stride), 0);
+}
+
+static const strip_format Q5_0_STRIPS = {q5_0_unpack, sizeof(block_q5_0), 0};
+static const strip_format Q5_1_STRIPS = {q5_1_unpack, sizeof(block_q5_1), 1};
+
+NS_KERNEL void ISA_NAME(q5_0_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, Q5_0_STRIPS);
+}
+
+NS_KERNEL void ISA_NAME(q5_1_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, Q5_1_STRIPS);
+}
+
+/* ---------------------------------------------------------------- Q4_K, Q5_K */
+
+/* Each sub-block j's d sc and -(dmin m) (kquant_sub_scales) into s[j], from the 16 bytes that
+ * start each row's block. */
+NS_INLINE void kquant_heads(strip s[KQ_SUBS], const char *w, size_t stride) {
+    ivec g[4]; /* lane r: row r's d and dmin, scales 0..3, 4..7, 8..11 */
+    transpose_rows(g, w, stride);
+    const fvec d = half_floats(g[0], 0), dmin = half_floats(g[0], 1);
+    const ivec six = iv_set32(63), four = iv_set32(15), top = iv_set32(3);
+#pragma GCC unroll 8
+    for (int j = 0; j < KQ_SUBS; j++) {
+        const int sh = 8 * (j & 3);
+        ivec sc, m;
+        if (j < 4) {
+            sc = iv_and(iv_shr32(g[1], sh), six);
+            m = iv_and(iv_shr32(g[2], sh), six);
+        } else {
+            sc = iv_or(iv_and(iv_shr32(g[3], sh), four),
+                       iv_shl32(iv_and(iv_shr32(g[1], sh + 6), top), 4));
+            m = iv_or(iv_and(iv_shr32(g[3], sh + 4), four),
+                      iv_shl32(iv_and(iv_shr32(g[2], sh + 6), top), 4));
+        }
+        s[j].d = fv_mul(d, iv_to_fv(sc));
+        s[j].m = fv_sub(fv_zero(), fv_mul(dmin, iv_to_fv(m)));
+        s[j].d2 = fv_zero();
+    }
+}
+
+/* Scales and the pairs (NS_BYTE_PAIRS) of each sub-block; 32 bytes of qs hold two. */
+NS_INLINE void q4_k_unpack(strip *s, const char *w, size_t stride) {
+    kquant_heads(s, w, stride);
+    const ivec nibbles = iv_set8(15);
+#pragma GCC unroll 4
+    for (int c = 0; c < KQ_SUBS / 2; c++) {
+        const char *q = (const char *)((const block_q4_K *)w)->qs + 32 * c;
+        ivec g[4], g1[4], v[4], v1[4];
+        transpose_rows(g, q, stride);
+        transpose_rows(g1, q + 16, stride);
+#pragma GCC unroll 2
+        for (int shift = 0; shift <= 4; shift += 4) {
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                v[i] = iv_and(iv_shr32(g[i], shift), nibbles);
+                v1[i] = iv_and(iv_shr32(g1[i], shift), nibbles);
+            }
+            byte_pairs(s[2 * c + shift / 4].p, v, v1, 0);
+        }
+    }
+}
+
+/* As q4_k_unpack, each value's bit of qh at bit 4. */
+NS_INLINE void q5_k_unpack(strip *s, const char *w, size_t stride) {
+    const block_q5_K *b = (const block_q5_K *)w;
+    kquant_heads(s, w, stride);
+    ivec h[4], h1[4];
+    transpose_rows(h, (const char *)b->qh, stride);
+    transpose_rows(h1, (const char *)b->qh + 16, stride);
+    const ivec nibbles = iv_set8(15), bit = iv_set8(16);
+#pragma GCC unroll 4
+    for (int c = 0; c < KQ_SUBS / 2; c++) {
+        const char *q = (const char *)b->qs + 32 * c;
+        ivec g[4], g1[4], v[4], v1[4];
+        transpose_rows(g, q, stride);
+        transpose_rows(g1, q + 16, stride);
+#pragma GCC unroll 2
+        for (int j = 2 * c; j < 2 * c + 2; j++) {
+            const int shift = 4 * (j & 1);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) { /* bit j of each byte of qh to bit 4, the nibble below */
+                v[i] = iv_or(iv_and(iv_shr32(g[i], shift), nibbles),
+                             iv_and(iv_shift32(h[i], 4 - j), bit));
+                v1[i] = iv_or(iv_and(iv_shr32(g1[i], shift), nibbles),
+                              iv_and(iv_shift32(h1[i], 4 - j), bit));
+            }
+            byte_pairs(s[j].p, v, v1, 0);
+        }
+    }
+}
+
+static const strip_format Q4_K_STRIPS = {
+    .block_bytes = sizeof(block_q4_K), .has_min = 1, .subs = KQ_SUBS, .unpack_super = q4_k_unpack};
+static const strip_format Q5_K_STRIPS = {
+    .block_bytes = sizeof(block_q5_K), .has_min = 1, .subs = KQ_SUBS, .unpack_super = q5_k_unpack};
+
+NS_KERNEL void ISA_NAME(q4_k_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, Q4_K_STRIPS);
+}
+
+NS_KERNEL void ISA_NAME(q5_k_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, Q5_K_STRIPS);
+}
+
+/* ---------------------------------------------------------------- Q6_K */
+
+/* Scale 2t + which (which: 0 or 1) of each row, from g (lane r: a row's scales 4i .. 4i + 3,
+ * i = t / 2), sign-extended, as int32 lanes: its byte shifted to the top, then back down. */
+NS_INLINE ivec q6_k_scale(ivec g, int t, int which) {
+    const int byte = 2 * (t & 1) + which;
+    return iv_sar32(iv_shl32(g, 24 - 8 * byte), 24);
+}
+
+/* d sc of each sub-block's halves and the pairs less 32 (NS_BYTE_PAIRS), from one transpose of
+ * each 16 bytes of ql, qh and the scales. */
+NS_INLINE void q6_k_unpack(strip *s, const char *w, size_t stride) {
+    const block_q6_K *b = (const block_q6_K *)w;
+    const fvec d = half_floats(row_words(w + offsetof(block_q6_K, d) - 2, stride), 1);
+    ivec sc[4];
+    transpose_rows(sc, (const char *)b->scales, stride);
+#pragma GCC unroll 8
+    for (int t = 0; t < KQ_SUBS; t++) {
+        s[t].d = fv_mul(d, iv_to_fv(q6_k_scale(sc[t / 2], t, 0)));
+        s[t].d2 = fv_mul(d, iv_to_fv(q6_k_scale(sc[t / 2], t, 1)));
+        s[t].m = fv_zero();
+    }
+    const ivec nibbles = iv_set8(15), two = iv_set8(3 << 4);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; half++) {
+        ivec h[4], h1[4];
+        transpose_rows(h, (const char *)b->qh + 32 * half, stride);
+        transpose_rows(h1, (const char *)b->qh + 32 * half + 16, stride);
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++) { /* ql bytes 32k .. 32k + 31: sub-blocks k, k + 2 */
+            ivec g[4], g1[4];
+            transpose_rows(g, (const char *)b->ql + 64 * half + 32 * k, stride);
+            transpose_rows(g1, (const char *)b->ql + 64 * half + 32 * k + 16, stride);
+#pragma GCC unroll 2
+            for (int u = k; u < 4; u += 2) {
+                const int shift = 4 * (u >> 1);
+                ivec v[4], v1[4];
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) { /* qh's 2 bits at 2u to bits 4, 5 of each byte */
+                    v[i] = iv_or(iv_and(iv_shr32(g[i], shift), nibbles),
+                                 iv_and(iv_shift32(h[i], 4 - 2 * u), two));
+                    v1[i] = iv_or(iv_and(iv_shr32(g1[i], shift), nibbles),
+                                  iv_and(iv_shift32(h1[i], 4 - 2 * u), two));
+                }
+                byte_pairs(s[4 * half + u].p, v, v1, 32);
+            }
+        }
+    }
+}
+
+static const strip_format Q6_K_STRIPS = {
+    .block_bytes = sizeof(block_q6_K), .subs = KQ_SUBS, .unpack_super = q6_k_unpack, .halves = 1};
+
+NS_KERNEL void ISA_NAME(q6_k_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, Q6_K_STRIPS);
+}
+
+/* ---------------------------------------------------------------- F16, BF16 */
+
+/* out[r0 .. r0 + mr, n .. n + nc] (nc <= F16_ROWS): per row of x and of W, 2 STRIP_W lanes along K
+ * in two registers, added and then reduced in a fixed order; each output's operations the same
+ * whatever nc. */
+NS_INLINE void f16_dots_rows(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n,
+                             const int nc, const char *row, const int bf16) {
+    fvec acc[NS_GEMV_ROWS][F16_ROWS][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < mr; m++)
+#pragma GCC unroll 2
+        for (int c = 0; c < nc; c++) acc[m][c][0] = acc[m][c][1] = fv_zero();
+    const float *x = a->xf + r0 * a->K;
+    for (Py_ssize_t k = 0; k < a->K; k += 2 * STRIP_W) {
+        fvec w[F16_ROWS][2];
+#pragma GCC unroll 2
+        for (int c = 0; c < nc; c++) {
+            w[c][0] = widen(row + c * a->row_bytes + 2 * k, bf16);
+            w[c][1] = widen(row + c * a->row_bytes + 2 * k + 2 * STRIP_W, bf16);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < mr; m++) {
+            const fvec x0 = fv_load(x + m * a->K + k), x1 = fv_load(x + m * a->K + k + STRIP_W);
+#pragma GCC unroll 2
+            for (int c = 0; c < nc; c++) {
+                acc[m][c][0] = fv_fma(x0, w[c][0], acc[m][c][0]);
+                acc[m][c][1] = fv_fma(x1, w[c][1], acc[m][c][1]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < mr; m++)
+#pragma GCC unroll 2
+        for (int c = 0; c < nc; c++)
+            a->out[(r0 + m) * a->ldo + n + c] = fv_sum(fv_add(acc[m][c][0], acc[m][c][1]));
+}
+
+/* f16_dots_rows, F16_ROWS of W's rows at a time. */
+NS_INLINE void f16_dots(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t n, const int nc,
+                        const char *row, const int bf16) {
+    if (nc <= F16_ROWS) {
+        f16_dots_rows(a, r0, mr, n, nc, row, bf16);
+        return;
+    }
+    for (int c = 0; c < nc; c++) f16_dots_rows(a, r0, mr, n + c, 1, row + c * a->row_bytes, bf16);
+}
+
+#ifndef NS_VNNI /* VNNI has nothing to add to floats: the AVX-512 kernels serve that path too */
+NS_KERNEL void ISA_NAME(f16_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    f16_matmul(a, n0, n1, 0, f16_dots);
+}
+
+NS_KERNEL void ISA_NAME(bf16_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    f16_matmul(a, n0, n1, 1, f16_dots);
+}
+#endif

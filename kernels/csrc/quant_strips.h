@@ -1,0 +1,311 @@
+/* The SIMD drivers of the quantized matmul, written once for any vector width: quant_simd.h
+ * instantiates them with each format's block unpacking, and quant_avx2.c, quant_avx512.c and
+ * quant_avx512_vnni.c compile that once per instruction set, whose vocabulary (quant_isa_*.h:
+ * ivec and fvec, STRIP_W lanes, the tile sizes) is included first. Built with target attributes,
+ * not build flags, so that every path is there whatever -march the module is built for and runs
+ * only where quant.c found the CPU able.
+ *
+ * A register holds one int32 lane for each of STRIP_W consecutive output columns (a "strip"). A
+ * block of a strip is unpacked once into 16 registers p[j], lane c holding two values of column
+ * c's block as int16 (Q4_0's less 8), and the activations lay each block out as the same pairs
+ * (the format's `pairs` in quant.h), so one vpdpwssd (vpmaddwd + vpaddd without VNNI) of p[j] with
+ * its pair broadcast adds two products to STRIP_W columns at once. A block's 16 steps leave each
+ * column's exact integer dot in its lane, scaled once:
+ *
+ *     acc = fma(float(dot), d * dx, acc);  acc = fma(m, dx * sum(q), acc)  (Q4_1)
+ *
+ * block after block, the same operations for an output whatever tile, strip lane or thread it is
+ * in, so the GEMV (M <= GEMV_ROWS, unpacking blocks as it streams W) and the GEMM (panels unpacked
+ * once and kept in L2 under every tile of rows) agree bitwise. Against lanes along K this does one
+ * convert, multiply and FMA per 16 dot steps instead of per 2-4, and no horizontal sums;
+ * unpacking costs a transpose of a strip's bytes per block.
+ */
+#ifndef NANOSERVE_QUANT_STRIPS_H
+#define NANOSERVE_QUANT_STRIPS_H
+
+#include "quant.h"
+
+#include <stdlib.h>
+
+/* One block of a strip, unpacked: pairs p[j] (see above), each column's d and m (Q4_1). */
+typedef struct {
+    ivec p[16];
+    fvec d, m, d2; /* d2: Q6_K's scale of values 16..31 (halves) */
+} strip;
+
+/* What the driver needs of a format, passed as a constant so that each format's kernel is compiled
+ * with its own unpacking inlined: unpack(s, w, stride) unpacks the blocks at w of STRIP_W rows of
+ * W (row c's at w + c stride); has_min: Q4_1's m dx sum(q) is added. */
+typedef struct {
+    void (*unpack)(strip *s, const char *w, size_t stride);
+    size_t block_bytes;
+    int has_min;
+    /* K-quants: blocks of subs > 1 sub-blocks of 32 values (at most QK_K / QK), unpacked
+     * instead by unpack_super, all at once into s[0 .. subs - 1] (each byte of W transposed
+     * once); halves (Q6_K): values 0..15 and 16..31 of a sub-block have their own scales, d and
+     * d2, each half's dot scaled on its own. */
+    int subs;
+    void (*unpack_super)(strip *s, const char *w, size_t stride);
+    int halves;
+} strip_format;
+
+/* v shifted left by s bits (right by -s), s a constant after unrolling. */
+NS_INLINE ivec iv_shift32(ivec v, int s) { return s >= 0 ? iv_shl32(v, s) : iv_shr32(v, -s); }
+
+/* Each row's block d (and m if has_min), from the 32 bits at each block's start (every block
+ * starts with its fp16 d, Q4_1's with d and m). */
+NS_INLINE void strip_heads(fvec *d, fvec *m, const char *w, size_t stride, const int has_min) {
+    const ivec h = row_words(w, stride);
+    *d = half_floats(h, 0);
+    *m = has_min ? half_floats(h, 1) : fv_zero();
+}
+
+/* The pairs of a 4-bit block from g (transpose_rows of its 16 bytes of nibbles), less zero_point
+ * (Q4_0's 8): lane bytes b0..b3 (values 4q..4q+3 in the low nibbles, 4q+16.. in the high ones) as
+ * the pairs of nibbles 4 bits apart: (b0, b2) low, then high, (b1, b3) low, then high
+ * (NS_NIBBLE_PAIRS). */
+NS_INLINE void nibble_pairs(ivec p[16], const ivec g[4], const int zero_point) {
+    const ivec nibbles = iv_set32(0x000F000F), zp = iv_set16(zero_point);
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const ivec v = iv_and(iv_shr32(g[q], 4 * i), nibbles);
+            p[4 * q + i] = zero_point ? iv_sub16(v, zp) : v;
+        }
+}
+
+/* The pairs of 32 values that are bytes (v[q] lane bytes: values 4q..4q+3, v1's 16 + 4q..), in
+ * NS_BYTE_PAIRS' order, less zero_point (Q6_K's 32). */
+NS_INLINE void byte_pairs(ivec p[16], const ivec v[4], const ivec v1[4], const int zero_point) {
+    const ivec low = iv_set32(0x00FF00FF), zp = iv_set16(zero_point);
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) {
+        p[2 * q] = iv_sub16(iv_and(v[q], low), zp);
+        p[2 * q + 1] = iv_sub16(iv_shr16(v[q], 8), zp);
+        p[8 + 2 * q] = iv_sub16(iv_and(v1[q], low), zp);
+        p[8 + 2 * q + 1] = iv_sub16(iv_shr16(v1[q], 8), zp);
+    }
+}
+
+/* The unpacking of block b (32 values) of the STRIP_W rows of W from row w (the last strip's first
+ * n of them) into s; of a K-quant, where b starts a super-block, its sub-blocks into
+ * s[0 .. subs - 1] (the callers skip the others). Past n rows, zeros (copied, so nothing past W
+ * is read). */
+NS_INLINE void unpack_block(strip *s, const char *w, size_t stride, Py_ssize_t b, int n,
+                            const strip_format f) {
+    void (*const unpack)(strip *, const char *, size_t) = f.subs <= 1 ? f.unpack : f.unpack_super;
+    w += (size_t)(f.subs <= 1 ? b : b / f.subs) * f.block_bytes;
+    if (n == STRIP_W) {
+        unpack(s, w, stride);
+        return;
+    }
+    _Alignas(64) char rows[STRIP_W][NS_MAX_BLOCK_BYTES] = {{0}};
+    for (int c = 0; c < n; c++) memcpy(rows[c], w + (size_t)c * stride, f.block_bytes);
+    unpack(s, rows[0], sizeof rows[0]);
+}
+
+/* acc[r][c] += dot[r][c] scaled: by the strips' d (or d2, Q6_K's second half) times dx, plus
+ * m sx where the format has a min. */
+NS_INLINE void scale_dots(fvec acc[GEMV_ROWS][TILE_NR], ivec dot[GEMV_ROWS][TILE_NR],
+                          const strip *const s[TILE_NR], const ns_xq *xq, Py_ssize_t r0,
+                          const int mr, const int nr, Py_ssize_t b, const int second_half,
+                          const int has_min) {
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        const Py_ssize_t at = (r0 + r) * xq->blocks + b;
+        const fvec dx = fv_set(xq->dx[at]), sx = fv_set(xq->sx[at]);
+#pragma GCC unroll 3
+        for (int c = 0; c < nr; c++) {
+            const fvec d = second_half ? s[c]->d2 : s[c]->d;
+            acc[r][c] = fv_fma(iv_to_fv(dot[r][c]), fv_mul(d, dx), acc[r][c]);
+            if (has_min) acc[r][c] = fv_fma(s[c]->m, sx, acc[r][c]);
+        }
+    }
+}
+
+/* acc[r][c] over block b: rows r0 .. r0 + mr of x against strips s[c] (their block b), c < nr. */
+NS_INLINE void block_step(fvec acc[GEMV_ROWS][TILE_NR], const strip *const s[TILE_NR],
+                          const ns_xq *xq, Py_ssize_t r0, const int mr, const int nr,
+                          Py_ssize_t b, const strip_format f) {
+    ivec dot[GEMV_ROWS][TILE_NR];
+    const Py_ssize_t q_stride = xq->blocks * QK;
+    const int16_t *x = xq->q + r0 * q_stride + b * QK;
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+        for (int c = 0; c < nr; c++) dot[r][c] = iv_zero();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        if (f.halves && j == 8) { /* Q6_K: values 0..15 done, scaled by d */
+            scale_dots(acc, dot, s, xq, r0, mr, nr, b, 0, 0);
+#pragma GCC unroll 8
+            for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+                for (int c = 0; c < nr; c++) dot[r][c] = iv_zero();
+        }
+        ivec w[TILE_NR];
+#pragma GCC unroll 3
+        for (int c = 0; c < nr; c++) w[c] = s[c]->p[j];
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * q_stride + 2 * j, 4);
+            const ivec xb = iv_set32(pair);
+#pragma GCC unroll 3
+            for (int c = 0; c < nr; c++) dot[r][c] = dot_pairs(dot[r][c], w[c], xb);
+        }
+    }
+    scale_dots(acc, dot, s, xq, r0, mr, nr, b, f.halves, f.has_min);
+}
+
+/* Rows r0 .. r0 + mr by the nr strips from column c0 (the last one `last` columns wide), over all
+ * of K. The strips' blocks come from panel (strip c's block b at panel[c * nb + b]) if given,
+ * else are unpacked from W block by block. */
+NS_INLINE void strip_tile(const ns_qmm *a, const strip *panel, Py_ssize_t r0, const int mr,
+                          Py_ssize_t c0, const int nr, int last, const strip_format f) {
+    const Py_ssize_t nb = a->K / QK;
+    fvec acc[GEMV_ROWS][TILE_NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+        for (int c = 0; c < nr; c++) acc[r][c] = fv_zero();
+    strip own[TILE_NR], super[TILE_NR][QK_K / QK]; /* super: a K-quant's super-blocks */
+    const strip *s[TILE_NR];
+    for (int c = 0; c < TILE_NR; c++) s[c] = own + c;
+    /* Streaming W (no panel): the rows of the next strips, a share of their lines a block, on
+     * their way in while this one computes (none after W's last row): into L1 where they are a
+     * small part of it (NS_PREFETCH_L1_BYTES), else into L2, since a strip of long rows
+     * (Llama-3.2-1B's 8192 x 2048 in Q6_K: 27 KiB) would push out the one being read. */
+    const Py_ssize_t after = c0 + STRIP_W * nr;
+    const Py_ssize_t ahead = a->N - after < STRIP_W * nr ? a->N - after : STRIP_W * nr;
+    const char *next = a->w + (size_t)(ahead > 0 ? after : 0) * a->row_bytes;
+    const Py_ssize_t lines = ahead > 0 ? (Py_ssize_t)((size_t)ahead * a->row_bytes / 64) : 0;
+    const int into_l1 = lines * 64 <= NS_PREFETCH_L1_BYTES;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        for (Py_ssize_t l = b * lines / nb; !panel && l < (b + 1) * lines / nb; l++) {
+            if (into_l1)
+                _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+            else
+                _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+        }
+        for (int c = 0; c < nr; c++) {
+            if (panel) {
+                s[c] = panel + c * nb + b;
+                continue;
+            }
+            const char *w = a->w + (size_t)(c0 + STRIP_W * c) * a->row_bytes;
+            const int n = c == nr - 1 ? last : STRIP_W;
+            if (f.subs <= 1) {
+                unpack_block(own + c, w, a->row_bytes, b, n, f);
+                continue;
+            }
+            if (b % f.subs == 0) unpack_block(super[c], w, a->row_bytes, b, n, f);
+            s[c] = &super[c][b % f.subs];
+        }
+        block_step(acc, s, a->x, r0, mr, nr, b, f);
+    }
+    for (int c = 0; c < nr; c++)
+        for (int r = 0; r < mr; r++)
+            store_cols(a->out + (r0 + r) * a->ldo + c0 + STRIP_W * c,
+                       c == nr - 1 ? last : STRIP_W, acc[r][c]);
+}
+
+/* strip_tile with nr (1..TILE_NR) a constant. */
+NS_INLINE void strip_tile_nr(const ns_qmm *a, const strip *panel, Py_ssize_t r0, const int mr,
+                             Py_ssize_t c0, int nr, int last, const strip_format f) {
+    if (nr == 1)
+        strip_tile(a, panel, r0, mr, c0, 1, last, f);
+    else if (nr == 2 || TILE_NR == 2)
+        strip_tile(a, panel, r0, mr, c0, 2, last, f);
+    else
+        strip_tile(a, panel, r0, mr, c0, 3, last, f);
+}
+
+/* strip_tile with mr (1..4) and nr (1..TILE_NR) constants. */
+NS_INLINE void strip_tile_any(const ns_qmm *a, const strip *panel, Py_ssize_t r0, int mr,
+                              Py_ssize_t c0, int nr, int last, const strip_format f) {
+    switch (mr) {
+    case 1: strip_tile_nr(a, panel, r0, 1, c0, nr, last, f); break;
+    case 2: strip_tile_nr(a, panel, r0, 2, c0, nr, last, f); break;
+    case 3: strip_tile_nr(a, panel, r0, 3, c0, nr, last, f); break;
+    default: strip_tile_nr(a, panel, r0, 4, c0, nr, last, f); break;
+    }
+}
+
+/* One strip of mr (5..8, AVX-512's GEMV) rows, mr a constant. */
+NS_INLINE void strip_tile_wide(const ns_qmm *a, Py_ssize_t r0, int mr, Py_ssize_t c0, int last,
+                               const strip_format f) {
+    switch (mr) {
+    case 5: strip_tile(a, NULL, r0, 5, c0, 1, last, f); break;
+    case 6: strip_tile(a, NULL, r0, 6, c0, 1, last, f); break;
+    case 7: strip_tile(a, NULL, r0, 7, c0, 1, last, f); break;
+    default: strip_tile(a, NULL, r0, 8, c0, 1, last, f); break;
+    }
+}
+
+/* out[r0 .. r0 + mr, n0 .. n1] straight from W (mr <= GEMV_ROWS), one strip at a time: each block
+ * unpacked once for all the rows, W read once, the unpacked strip kept in registers. */
+NS_INLINE void strip_gemv(const ns_qmm *a, Py_ssize_t r0, int mr, Py_ssize_t n0, Py_ssize_t n1,
+                          const strip_format f) {
+    for (Py_ssize_t c0 = n0; c0 < n1; c0 += STRIP_W) {
+        const int last = n1 - c0 < STRIP_W ? (int)(n1 - c0) : STRIP_W;
+        if (GEMV_ROWS > 4 && mr > 4)
+            strip_tile_wide(a, r0, mr, c0, last, f);
+        else
+            strip_tile_any(a, NULL, r0, mr, c0, 1, last, f);
+    }
+}
+
+/* Columns n0 + STRIP_W p .. of every block, strips p..pe, unpacked into panel. */
+NS_INLINE void unpack_panel(strip *panel, const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1,
+                            Py_ssize_t p, Py_ssize_t pe, const strip_format f) {
+    const Py_ssize_t nb = a->K / QK;
+    for (Py_ssize_t s = p; s < pe; s++) {
+        const Py_ssize_t c0 = n0 + STRIP_W * s;
+        const int n = n1 - c0 < STRIP_W ? (int)(n1 - c0) : STRIP_W;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            const char *w = a->w + (size_t)c0 * a->row_bytes;
+            if (f.subs <= 1 || b % f.subs == 0) /* a super-block fills subs blocks */
+                unpack_block(panel + (s - p) * nb + b, w, a->row_bytes, b, n, f);
+        }
+    }
+}
+
+/* Many rows: panels of whole strips (every block), unpacked once into a buffer of at most
+ * NS_PANEL_BYTES that stays in L2 while every tile of TILE_MR rows passes over it, TILE_NR strips
+ * at a time. Without memory for the buffer, tiles of rows unpack as the GEMV does (the same values
+ * and operations, so the same results). */
+NS_INLINE void strip_gemm(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const strip_format f) {
+    const Py_ssize_t nb = a->K / QK, strips = (n1 - n0 + STRIP_W - 1) / STRIP_W;
+    Py_ssize_t width = (Py_ssize_t)(NS_PANEL_BYTES / ((size_t)nb * sizeof(strip)));
+    width = width / TILE_NR * TILE_NR;
+    width = width < TILE_NR ? TILE_NR : width < strips ? width : strips; /* strips a panel */
+    strip *panel = aligned_alloc(64, (size_t)(width * nb) * sizeof(strip));
+    for (Py_ssize_t r0 = 0; !panel && r0 < a->M; r0 += TILE_MR)
+        strip_gemv(a, r0, a->M - r0 < TILE_MR ? (int)(a->M - r0) : TILE_MR, n0, n1, f);
+    for (Py_ssize_t p = 0; panel && p < strips; p += width) {
+        const Py_ssize_t pe = p + width < strips ? p + width : strips;
+        unpack_panel(panel, a, n0, n1, p, pe, f);
+        for (Py_ssize_t r0 = 0; r0 < a->M; r0 += TILE_MR) {
+            const int mr = a->M - r0 < TILE_MR ? (int)(a->M - r0) : TILE_MR;
+            for (Py_ssize_t s = p; s < pe; s += TILE_NR) {
+                const int nr = pe - s < TILE_NR ? (int)(pe - s) : TILE_NR;
+                const Py_ssize_t c0 = n0 + STRIP_W * s, end = c0 + STRIP_W * nr;
+                const int last = (int)(STRIP_W - ((end > n1 ? end : n1) - n1));
+                strip_tile_any(a, panel + (s - p) * nb, r0, mr, c0, nr, last, f);
+            }
+        }
+    }
+    free(panel);
+}
+
+/* out[:, n0:n1] of a format's matmul: what its kernels call. */
+NS_INLINE void strip_matmul(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const strip_format f) {
+    if (a->M <= GEMV_ROWS)
+        strip_gemv(a, 0, (int)a->M, n0, n1, f);
+    else
+        strip_gemm(a, n0, n1, f);
+}
+
+#endif
