@@ -34,7 +34,7 @@ def _step(scheduler):
         request = item.request
         if item.samples:
             request.token_ids.append(1)
-            if request.num_output_tokens >= request.max_tokens:
+            if request.num_output_tokens >= request.output_limit:
                 scheduler.remove(request)
     return {item.request.request_id: item.num_new_tokens for item in batch}
 

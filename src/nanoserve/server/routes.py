@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from quart import Response, g, request
 
-from nanoserve.engine import GrammarError, RequestOutput, SamplingParams, StructuredOutputsParams
+from nanoserve.engine import RequestOutput, SamplingParams
 from nanoserve.server.access import AccessRecord, printable
 from nanoserve.server.bridge import Serving
 from nanoserve.server.errors import ModelNotFound, error_info, error_response, too_large
@@ -112,9 +112,8 @@ class OpenAIServer:
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
-        constraint = await self._compile(req.constraint())
         params = req.sampling_params(
-            req.max_tokens, req.logprobs, req.num_prompt_logprobs, constraint
+            req.max_tokens, req.logprobs, req.num_prompt_logprobs, req.constraint()
         )
         fmt = CompletionFormat(
             self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo,
@@ -154,7 +153,6 @@ class OpenAIServer:
         if required:  # a named function is called once; "required" may call several
             named = req.tool_choice != "required"
             constraint = syntax.grammar(required, req.parallel_tool_calls and not named, open_id)
-        constraint = await self._compile(constraint)
         params = req.sampling_params(req.completion_limit, req.num_logprobs, None, constraint)
         if offered and syntax.special:  # the calls start with a control token: keep it in text
             params.skip_special_tokens = False
@@ -317,10 +315,10 @@ class OpenAIServer:
     async def _submit(
         self, stack: AsyncExitStack, prompts: list[list[int]], params: SamplingParams
     ) -> list[AsyncIterator[RequestOutput]]:
+        admitted = await self.serving.admit(prompts, params)  # every prompt checked first
         group = uuid.uuid4().hex  # this HTTP request's prompts take their turns together
         return [
-            await stack.enter_async_context(self.serving.generate(token_ids, params, group))
-            for token_ids in prompts
+            await stack.enter_async_context(self.serving.generate(one, group)) for one in admitted
         ]
 
     def _check_length(self, chars: int, param: str) -> None:
@@ -345,21 +343,6 @@ class OpenAIServer:
         if len(text) <= LONG_PROMPT_CHARS:
             return encode()
         return await trio.to_thread.run_sync(encode, thread_name="tokenize")
-
-    async def _compile(
-        self, constraint: StructuredOutputsParams | None
-    ) -> StructuredOutputsParams | None:
-        """Check a constraint before the request is queued, in a worker thread (a schema takes
-        milliseconds, the first one a second or two); the engine then finds it compiled."""
-        if constraint is None:
-            return None
-        try:
-            await trio.to_thread.run_sync(
-                self.serving.grammars.compile, constraint, thread_name="grammar"
-            )
-        except GrammarError as e:
-            raise InvalidRequest(str(e), e.param) from None
-        return constraint
 
     async def _encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
