@@ -43,7 +43,7 @@ class Tokenizer:
         max_token_chars: int | None = None,
     ) -> None:
         """max_token_chars: what the vocabulary gives it (below), where that is known (a GGUF's
-        index keeps it: 20 ms of a 49k-token vocabulary's load)."""
+        index keeps it, so a load does not list the whole vocabulary to find it)."""
         config = config or {}
         self._tok = tok
         self.chat_template = chat_template
