@@ -32,7 +32,7 @@ from nanoserve.config import EngineConfig, SettingError
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import Request
 from nanoserve.engine.spec_decode import draft_room
-from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
+from nanoserve.model import Checkpoint, open_checkpoint
 from nanoserve.tokenizer import Tokenizer
 
 # Encoded by both tokenizers: a draft whose ids differ from the target's proposes nonsense.

@@ -28,14 +28,14 @@ from nanoserve.engine.draft_model import DraftModelProposer
 from nanoserve.engine.executor import start_executor
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.memory import Pools, check_fits, gib, headroom, working_margin
-from nanoserve.engine.model_runner import ModelRunner, resolve_dtype
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
 from nanoserve.engine.scheduler import Proposer, ScheduledRequest, Scheduler
 from nanoserve.engine.spec_decode import NgramProposer, SpecStats
 from nanoserve.engine.structured import CompiledGrammar, GrammarCompiler, mask_logits
-from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
+from nanoserve.model import Checkpoint, open_checkpoint, resolve_dtype
 from nanoserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)

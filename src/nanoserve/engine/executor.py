@@ -12,8 +12,7 @@ from typing import Any, Protocol
 from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.tp import TensorParallelExecutor
-from nanoserve.model.checkpoint import Checkpoint
-from nanoserve.model.parallel import check_divisible
+from nanoserve.model import Checkpoint, check_divisible
 
 
 class Executor(Protocol):

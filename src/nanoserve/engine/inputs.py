@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from nanoserve.engine.kv_cache import cdiv, slot
-from nanoserve.model.attention import AttentionMetadata, PrefillChunk
+from nanoserve.model import AttentionMetadata, PrefillChunk
 
 
 class Chunk(Protocol):

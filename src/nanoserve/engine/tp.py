@@ -34,7 +34,7 @@ from nanoserve.engine.channel import (
 )
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.worker import run_worker
-from nanoserve.model.checkpoint import Checkpoint
+from nanoserve.model import Checkpoint
 
 JOIN_S = 5.0  # at shutdown, time the workers get to stop by themselves before they are killed
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from nanoserve.config import EngineConfig
 from nanoserve.engine.channel import ENV, GATHERED, Channel, join_group, model_group, rank_device
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.model.checkpoint import open_checkpoint
+from nanoserve.model import open_checkpoint
 
 
 def run_worker(
