@@ -41,7 +41,8 @@ ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
 # A line of the map of the parts that names a file or folder: two spaces of indent per level, then
 # the name (a description's next lines are indented further, past any level).
 MAP_ENTRY = re.compile(r"( *)((?:[\w.]+/)+|[\w.]+\.\w+)(?=\s|$)")
-# A module path in backquotes, relative to a package (`engine/tp.py`, `channel.py`, `protocol/`).
+# A module path in backquotes, relative to a package (`engine/parallel/tp.py`, `channel.py`,
+# `protocol/`).
 MODULE = re.compile(r"`(\w[\w.]*(?:/[\w.]+)*(?:\.(?:py|c|h)|/))`")
 
 
@@ -89,7 +90,8 @@ def test_the_map_covers_every_module():
 
 
 def test_module_paths_in_the_architecture_exist():
-    """`engine/tp.py`, `channel.py`, `protocol/`: a path inside a package names a real file."""
+    """`engine/parallel/tp.py`, `channel.py`, `protocol/`: a path inside a package names a real
+    file."""
     missing = [t for t in MODULE.findall(ARCHITECTURE.read_text()) if not _module_exists(t)]
     assert not missing, missing
 

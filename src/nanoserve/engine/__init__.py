@@ -5,10 +5,10 @@ from nanoserve.engine.admission import Admitted, RequestRejected
 from nanoserve.engine.engine import Engine, EngineStats, SchedulerStalled
 from nanoserve.engine.memory import NotEnoughMemory
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.parallel.tp import WorkerFailed
+from nanoserve.engine.parallel.worker import worker_from_env
 from nanoserve.engine.sampling import Logprob, SamplingParams
 from nanoserve.engine.structured import GrammarError, StructuredOutputsParams, closed_schema
-from nanoserve.engine.tp import WorkerFailed
-from nanoserve.engine.worker import worker_from_env
 
 __all__ = [
     "Admitted",

@@ -3,10 +3,10 @@
 `max_model_len`, `num_blocks`. Each step schedules a batch, runs one forward over the packed
 tokens, samples, detokenizes and checks stop conditions. Single-threaded and lock-free: whoever
 owns an Engine calls it from one place at a time (the offline loop, or the serving task); it owns
-the scheduler, the KV cache manager, every request and the executor (engine/executor.py), which
+the scheduler, the KV cache manager, every request and the executor (parallel/executor.py), which
 runs the model on one rank or on every rank of a tensor-parallel group: one KV cache manager
-decides every rank's block tables. With speculative decoding (engine/spec_decode.py; a draft
-model, engine/draft_model.py, runs as the scheduler plans, in the step) a step may verify a
+decides every rank's block tables. With speculative decoding (spec/ngram.py; a draft
+model, engine/spec/draft_model.py, runs as the scheduler plans, in the step) a step may verify a
 decode's draft: every position is sampled as if its draft prefix had been accepted, and the
 samples are appended one by one, through the same checks, until one differs from the draft or
 the request finishes.
@@ -24,16 +24,16 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.admission import Admission, Admitted, RequestRejected
-from nanoserve.engine.draft_model import DraftModelProposer
-from nanoserve.engine.executor import start_executor
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.memory import Pools, check_fits, gib, headroom, working_margin
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.parallel.executor import start_executor
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
 from nanoserve.engine.scheduler import Proposer, ScheduledRequest, Scheduler
-from nanoserve.engine.spec_decode import NgramProposer, SpecStats
+from nanoserve.engine.spec.draft_model import DraftModelProposer
+from nanoserve.engine.spec.ngram import NgramProposer, SpecStats
 from nanoserve.engine.structured import CompiledGrammar, GrammarCompiler, mask_logits
 from nanoserve.model import Checkpoint, open_checkpoint, resolve_dtype
 from nanoserve.tokenizer import IncrementalDetokenizer

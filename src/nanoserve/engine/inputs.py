@@ -4,7 +4,7 @@ attending to the cache up to itself, so that each position's logits are those a 
 step at that position computes (the decode kernels are batch invariant). Eager steps, CUDA-graph
 steps (padded to a captured size and table width) and the memory profile (one dummy prefill) all
 come through `pack`. Under tensor parallelism the packed inputs travel to the other ranks as one
-message (engine/channel.py). Owns nothing.
+message (engine/parallel/channel.py). Owns nothing.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ rows that sample. On CUDA the pool is sized from free memory after a warm-up for
 same path; on a CPU from kv_cache_memory_gb, allocated unwritten, then written (`take_kv_cache`)
 once the engine has checked that it fits (engine/memory.py).
 Under tensor parallelism every rank has a runner holding its slices and its heads' cache, and runs
-the same `execute` on the inputs rank 0 prepared (engine/executor.py); only rank 0's results mean
+the same `execute` on the inputs rank 0 prepared (parallel/executor.py); only rank 0's results mean
 anything.
 """
 

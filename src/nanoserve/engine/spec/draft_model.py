@@ -31,7 +31,7 @@ import torch
 from nanoserve.config import EngineConfig, SettingError
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import Request
-from nanoserve.engine.spec_decode import draft_room
+from nanoserve.engine.spec.ngram import draft_room
 from nanoserve.model import Checkpoint, open_checkpoint
 from nanoserve.tokenizer import Tokenizer
 
