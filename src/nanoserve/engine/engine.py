@@ -294,7 +294,9 @@ class Engine:
                     f"({self.kv_cache_manager.num_free_blocks} of {self.num_blocks} KV blocks free)"
                 )
             return []
-        logits, scored = self.executor.call("execute", self.runner.prepare(batch))
+        logits, scored = self.executor.call(
+            "execute", self.runner.prepare([s.chunk() for s in batch])
+        )
         for index, entries in scored.items():
             prompt_logprobs = batch[index].request.prompt_logprobs
             assert prompt_logprobs is not None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -239,30 +238,13 @@ class ModelRunner:
         return int(budget // self.block_bytes)
 
 
-def largest_step(tokens: int, positions: int, block_size: int) -> list[_Prefill]:
+def largest_step(tokens: int, positions: int, block_size: int) -> list[Chunk]:
     """Prompts of dummy tokens, `tokens` in all, none longer than `positions`, each in blocks of
     its own (numbered from 0): the largest prefill step an engine can be given."""
     longest = positions // block_size * block_size or positions
     dummies, used, blocks = [], 0, 0
     while used < tokens:
         n = min(longest, tokens - used)
-        dummies.append(_Prefill([0] * n, list(range(blocks, blocks + cdiv(n, block_size)))))
+        dummies.append(Chunk([0] * n, 0, n, list(range(blocks, blocks + cdiv(n, block_size)))))
         used, blocks = used + n, blocks + cdiv(n, block_size)
     return dummies
-
-
-@dataclass
-class _Prefill:
-    """A whole prompt of dummy tokens, as the packer sees a scheduled request."""
-
-    token_ids: list[int]
-    block_table: list[int]
-    start: int = 0
-    samples: bool = True
-    prompt_logprob_positions: range = range(0)
-    prompt_logprobs: int = 0
-    verifies: bool = False
-    num_new_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_new_tokens = len(self.token_ids)

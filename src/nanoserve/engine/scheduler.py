@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from nanoserve.engine.inputs import Chunk
 from nanoserve.engine.kv_manager import ComputedBlocks, KVCacheManager
 from nanoserve.engine.request import Request, Status
 
@@ -63,21 +64,17 @@ class ScheduledRequest:
         return bool(self.draft)
 
     @property
-    def block_table(self) -> list[int]:
-        return self.request.block_table
-
-    @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token: its logits give the next one."""
         return self.start + self.num_new_tokens == self.request.num_tokens + len(self.draft)
 
-    @property
-    def prompt_logprob_positions(self) -> range:
-        return self.request.prompt_logprob_positions(self.start, self.num_new_tokens)
-
-    @property
-    def prompt_logprobs(self) -> int:
-        return self.request.params.prompt_logprobs or 0
+    def chunk(self) -> Chunk:
+        """What the packer reads of it."""
+        return Chunk(
+            self.token_ids, self.start, self.num_new_tokens, self.request.block_table,
+            self.samples, self.request.prompt_logprob_positions(self.start, self.num_new_tokens),
+            self.request.params.prompt_logprobs or 0, self.verifies,
+        )  # fmt: skip
 
 
 @dataclass
