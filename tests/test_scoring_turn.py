@@ -28,7 +28,7 @@ def _step(scheduler):
     batch = scheduler.schedule()
     for item in batch:
         if item.request.prompt_logprobs is not None:
-            item.request.prompt_logprobs += [{}] * len(item.prompt_logprob_positions)
+            item.request.prompt_logprobs += [{}] * len(item.chunk().prompt_logprob_positions)
     scheduler.after_step(batch)
     for item in batch:
         request = item.request
