@@ -1,7 +1,8 @@
 """Requests as vLLM's own tests and today's OpenAI SDKs send them, over a real socket: fields at
 their defaults, OpenAI's bookkeeping fields, seeds across the signed 64-bit range, vLLM's
-continuous usage stats, /tokenize's token strings, /tokenizer_info's class, and the model
-retrieved by the name or the path it was served from (`nanoserve serve`).
+continuous usage stats, /tokenize's token strings, /tokenizer_info's class, the model retrieved
+by the name or the path it was served from (`nanoserve serve`), and OpenAI's logit_bias with
+vLLM's allowed_token_ids through the openai SDK.
 """
 
 import json
@@ -49,7 +50,7 @@ async def test_fields_at_their_defaults_are_accepted(server, path, body):
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        (C, {**COMPLETION, "logit_bias": {"5": 0, "6": 1}}, "logit_bias"),
+        (C, {**COMPLETION, "logit_bias": {"5": 0, "6": 1000}}, "logit_bias"),
         (X, {**CHAT, "continue_final_message": True}, "continue_final_message"),
         ("/tokenize", {**MESSAGES, "continue_final_message": True}, "continue_final_message"),
         (C, {**COMPLETION, "stream_options": {"continuous_usage_stats": True}}, "stream"),
@@ -111,6 +112,31 @@ async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client
         assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
                    for c in chunks)  # fmt: skip
         assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
+
+
+async def test_logit_bias_and_allowed_token_ids_steer_the_answer(server, client):
+    """A bias of 100 on one token makes a greedy answer all that token (chat and completions);
+    allowed_token_ids keep a sampled answer to those ids."""
+
+    async def text_of(token_id):
+        response = await server.http.post("/detokenize", json={"tokens": [token_id]})
+        return response.json()["prompt"]
+
+    chat = await client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logit_bias={"65": 100}, logprobs=True,
+    )  # fmt: skip
+    assert [t.token for t in chat.choices[0].logprobs.content] == [await text_of(65)] * 4
+    text = await client.completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=4, temperature=0, logit_bias={"65": 100}
+    )
+    assert text.choices[0].text == (await text_of(65)) * 4
+    allowed = await client.completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=8, temperature=1.0, seed=3, logprobs=0,
+        extra_body={"allowed_token_ids": [66, 67]},
+    )  # fmt: skip
+    tokens = allowed.choices[0].logprobs.tokens
+    assert len(tokens) == 8 and set(tokens) <= {await text_of(66), await text_of(67)}
 
 
 async def test_tokenize_returns_the_token_strings_when_asked(server):

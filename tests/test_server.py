@@ -335,7 +335,11 @@ BAD_REQUESTS = [
         "image_url",
     ),
     # parameters that would change the answer and are not implemented: refused by name
-    (C, _with(COMPLETION, logit_bias={"5": 10}), "logit_bias", "not supported"),
+    (C, _with(COMPLETION, logit_bias={"x5": 10}), "logit_bias", "token ids"),
+    (C, _with(COMPLETION, logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
+    (C, _with(COMPLETION, logit_bias={str(10**6): 1}), "logit_bias", "vocabulary"),
+    (C, _with(COMPLETION, allowed_token_ids=[]), "allowed_token_ids", "at least 1"),
+    (C, _with(COMPLETION, allowed_token_ids=[10**6]), "allowed_token_ids", "vocabulary"),
     (C, _with(COMPLETION, suffix="end"), "suffix", "not supported"),
     (C, _with(COMPLETION, best_of=2), "best_of", "not supported"),
     (C, _with(COMPLETION, prompt_logprobs=21), "prompt_logprobs", "less than or equal to 20"),

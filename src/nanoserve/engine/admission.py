@@ -84,10 +84,14 @@ class Admission:
             raise RequestRejected(
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
             )
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise RequestRejected(
-                f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
-            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            if any(t >= vocab for t in ids):
+                raise RequestRejected(f"{name} must be token ids below the vocabulary size "
+                                      f"{vocab}", name)  # fmt: skip
 
     def _output_limit(self, n: int, params: SamplingParams) -> int:
         """The most tokens the request may generate, checked against the context and the pool."""

@@ -16,6 +16,8 @@ import torch
 from nanoserve.engine.structured import StructuredOutputsParams
 
 _MASK64 = (1 << 63) - 1
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 
 
 @dataclass
@@ -40,12 +42,19 @@ class SamplingParams:
     # The output must match this constraint (engine/structured.py): the logits are masked
     # before the penalties, temperature, filters and logprobs see them.
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits of these token ids before the temperature and the filters (OpenAI's
+    # logit_bias); only these token ids may be sampled (vLLM's allowed_token_ids). Neither
+    # changes the logprobs, which are the model's own distribution.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        allowed = self.allowed_token_ids
         mt = self.max_tokens
         checks = [
             ("n", _int(self.n) and self.n >= 1, "an integer >= 1"),
@@ -72,6 +81,20 @@ class SamplingParams:
             ("stop_token_ids", all(_int(t) and t >= 0 for t in self.stop_token_ids), "token ids"),
             ("logprobs", _top_n(self.logprobs), "an integer in [0, 20]"),
             ("prompt_logprobs", _top_n(self.prompt_logprobs), "an integer in [0, 20]"),
+            (
+                "logit_bias",
+                len(self.logit_bias) <= MAX_LOGIT_BIAS
+                and all(
+                    _int(t) and t >= 0 and _in(b, -BIAS_LIMIT, BIAS_LIMIT)
+                    for t, b in self.logit_bias.items()
+                ),  # fmt: skip
+                f"at most {MAX_LOGIT_BIAS} token ids, each with a bias in [-100, 100]",
+            ),
+            (
+                "allowed_token_ids",
+                allowed is None or (len(allowed) > 0 and all(_int(t) and t >= 0 for t in allowed)),
+                "a non-empty list of token ids",
+            ),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -87,6 +110,10 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0
         )
+
+    @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
 
 def _top_n(x: object) -> bool:
@@ -148,7 +175,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
 
 
 def _apply_penalties_and_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    touched = [i for i, r in enumerate(rows) if r.params.penalized or r.banned_ids]
+    touched = [
+        i for i, r in enumerate(rows) if r.params.penalized or r.params.biased or r.banned_ids
+    ]
     if not touched:
         return logits
     logits = logits.clone()
@@ -167,6 +196,14 @@ def _apply_penalties_and_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -
             counts = torch.bincount(output, minlength=row.shape[0])
             row -= p.frequency_penalty * counts[: row.shape[0]]
             row -= p.presence_penalty * (counts[: row.shape[0]] > 0)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=row.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device)
+        if p.allowed_token_ids is not None:
+            ids = torch.tensor(p.allowed_token_ids, device=row.device)
+            kept = row[ids]
+            row.fill_(float("-inf"))
+            row[ids] = kept
         if r.banned_ids:
             row[list(r.banned_ids)] = float("-inf")
     return logits

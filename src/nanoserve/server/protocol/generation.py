@@ -18,6 +18,7 @@ MAX_SEQUENCES = 256  # prompts x n in one request: each one is a sequence in the
 MAX_STOP = 16  # stop strings in one request (OpenAI allows 4)
 MAX_STOP_CHARS = 4096  # their total length
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids in one request
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # vLLM's allowed_token_ids: more than any vocabulary
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer, as in OpenAI's and vLLM's
 
 
@@ -87,6 +88,11 @@ class GenerationRequest(StrictModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    allowed_token_ids: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
+    )
+    # OpenAI's: token ids (as strings, JSON's keys) to biases added to their logits.
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
@@ -99,7 +105,6 @@ class GenerationRequest(StrictModel):
     safety_identifier: str | None = None
     # Would change the answer and are not implemented: declared only to be refused by name (at
     # their defaults they change nothing, and are accepted).
-    logit_bias: dict[str, float] | None = None
     include_stop_str_in_output: bool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields; at most one of them.
@@ -114,7 +119,6 @@ class GenerationRequest(StrictModel):
     def refused(self) -> str | None:
         """The first set parameter that would change the answer and is not implemented."""
         unsupported = {
-            "logit_bias": any((self.logit_bias or {}).values()),  # biases of 0 change nothing
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "structured_outputs.structural_tag": self.structured_outputs is not None
             and self.structured_outputs.structural_tag is not None,
@@ -220,9 +224,22 @@ class GenerationRequest(StrictModel):
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=constraint,
+                logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as e:  # SamplingParams names the field first: "min_tokens must be ..."
             raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's string keys as token ids; biases of 0 dropped (they change nothing)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}",
+                                     "logit_bias")  # fmt: skip
+            if value:
+                bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
