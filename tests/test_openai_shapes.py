@@ -139,6 +139,19 @@ async def test_logit_bias_and_allowed_token_ids_steer_the_answer(server, client)
     assert len(tokens) == 8 and set(tokens) <= {await text_of(66), await text_of(67)}
 
 
+async def test_models_and_version_say_what_vllm_says(server, client):
+    """/v1/models gives the context length, the path the model was loaded from as `root` and no
+    `parent`; /version gives the installed version."""
+    from importlib import metadata
+
+    (card,) = (await client.models.list()).data
+    assert card.model_extra["max_model_len"] == server.engine.max_model_len
+    assert card.model_extra["root"] == MODEL_NAME  # live_server gives no path: the name
+    assert card.model_extra["parent"] is None
+    response = await server.http.get("/version")
+    assert response.json() == {"version": metadata.version("nanoserve")}
+
+
 async def test_tokenize_returns_the_token_strings_when_asked(server):
     """As vLLM's return_token_strs: the vocabulary's pieces, as transformers'
     convert_ids_to_tokens gives them (byte-level "Ġ" for a space)."""
@@ -180,6 +193,7 @@ async def test_a_gguf_file_is_served_by_its_name_and_retrieved_by_name_or_path()
             assert [m.id for m in (await client.models.list()).data] == [name]
             assert (await client.models.retrieve(name)).id == name
             assert (await client.models.retrieve(str(path))).id == name
+            assert (await client.models.retrieve(name)).model_extra["root"] == str(path)
             for model in (name, str(path)):
                 r = await client.completions.create(model=model, prompt="Hi", max_tokens=1)
                 assert r.model == name

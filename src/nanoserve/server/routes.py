@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 from functools import partial
+from importlib import metadata
 from typing import Any
 
 import trio
@@ -37,6 +38,7 @@ from nanoserve.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    Version,
     message_dicts,
     parse,
 )
@@ -64,6 +66,7 @@ class OpenAIServer:
         self.tokenizer = serving.tokenizer
         self.model_name = model_name
         self.model_names = {model_name, *aliases}  # what a request may call the model
+        self.root = next(iter(aliases), model_name)  # the path it was loaded from, as given
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -174,8 +177,13 @@ class OpenAIServer:
 
     def _card(self) -> ModelCard:
         return ModelCard(
-            id=self.model_name, created=self.created, max_model_len=self.serving.max_model_len
-        )
+            id=self.model_name, created=self.created, max_model_len=self.serving.max_model_len,
+            root=self.root,
+        )  # fmt: skip
+
+    async def version(self) -> Response:
+        """vLLM's /version: this server's version."""
+        return _json(Version(version=metadata.version("nanoserve")))
 
     async def tokenize(self) -> Response:
         """vLLM's /tokenize (lm-eval's remote tokenizer uses it)."""

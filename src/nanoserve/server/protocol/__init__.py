@@ -54,7 +54,7 @@ from nanoserve.server.protocol.generation import (
     StreamOptions,
     StructuredOutputsSpec,
 )
-from nanoserve.server.protocol.models import ModelCard, ModelList
+from nanoserve.server.protocol.models import ModelCard, ModelList, Version
 from nanoserve.server.protocol.tokenization import DetokenizeRequest, TokenizeRequest
 
 __all__ = [
@@ -106,6 +106,7 @@ __all__ = [
     "ToolSpec",
     "TopLogprob",
     "UsageInfo",
+    "Version",
     "message_dicts",
     "parse",
 ]

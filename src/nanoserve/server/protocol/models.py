@@ -1,4 +1,5 @@
-"""/v1/models: the one model this server serves, and its context length."""
+"""/v1/models: the one model this server serves, its context length and, as vLLM has them, the
+path it was loaded from (`root`) and no `parent` (no adapters); /version."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "nanoserve"
     max_model_len: int
+    root: str
+    parent: str | None = None
+
+
+class Version(BaseModel):
+    version: str
 
 
 class ModelList(BaseModel):
