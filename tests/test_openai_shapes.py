@@ -152,6 +152,18 @@ async def test_models_and_version_say_what_vllm_says(server, client):
     assert response.json() == {"version": metadata.version("nanoserve")}
 
 
+async def test_a_chat_template_of_the_servers_own_replaces_the_models(tiny_model_dir, tmp_path):
+    """--chat-template FILE (or the template itself) renders every chat, /tokenize's too."""
+    template = tmp_path / "brackets.jinja"
+    template.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    for given in (str(template), template.read_text()):
+        async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS, chat_template=given) as s:
+            chat = await s.http.post("/tokenize", json={**MESSAGES, "add_special_tokens": False})
+            text = await s.http.post("/tokenize", json={"prompt": "[hi]", "add_special_tokens":
+                                                        False})  # fmt: skip
+            assert chat.json()["tokens"] == text.json()["tokens"]
+
+
 async def test_tokenize_returns_the_token_strings_when_asked(server):
     """As vLLM's return_token_strs: the vocabulary's pieces, as transformers'
     convert_ids_to_tokens gives them (byte-level "Ġ" for a space)."""

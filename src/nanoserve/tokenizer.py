@@ -117,6 +117,18 @@ class Tokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with `source` from now on (compiled here: a syntax error is a
+        ValueError at once, not at the first chat)."""
+        try:
+            template = _compile_template(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(
+                f"chat_template must be a Jinja template that compiles (line {e.lineno}: "
+                f"{e.message})"
+            ) from None
+        self.chat_template, self._template = source, template
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, chat_template_source
 from nanoserve.engine.admission import Admission, Admitted, RequestRejected
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.memory import Pools, check_fits, gib, headroom, working_margin
@@ -82,6 +82,8 @@ class Engine:
         cache's manager, the proposer of speculative drafts and the scheduler."""
         config, mc = self.config, self.model_config
         self.tokenizer = checkpoint.tokenizer()
+        if config.chat_template is not None:  # instead of the model's own
+            self.tokenizer.use_chat_template(chat_template_source(config.chat_template))
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
         self.grammars = GrammarCompiler(
