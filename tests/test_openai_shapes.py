@@ -164,6 +164,24 @@ async def test_a_chat_template_of_the_servers_own_replaces_the_models(tiny_model
             assert chat.json()["tokens"] == text.json()["tokens"]
 
 
+async def test_continue_final_message_continues_the_assistants_answer(server):
+    """With add_generation_prompt false, the prompt ends with the last message's text (no end of
+    its turn, no new turn), and the answer continues it; both flags true are a 400."""
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    cont = await server.http.post("/tokenize", json={"messages": begun, **flags})
+    closed = await server.http.post("/tokenize", json={"messages": begun,
+                                                       "add_generation_prompt": False})  # fmt: skip
+    tail = await server.http.post("/tokenize", json={"prompt": "Once upon",
+                                                     "add_special_tokens": False})  # fmt: skip
+    ids, end = cont.json()["tokens"], tail.json()["tokens"]
+    assert ids[-len(end) :] == end and len(ids) < closed.json()["count"]
+    body = {**CHAT, "messages": begun, **flags, "max_tokens": 3, "temperature": 0}
+    response = await server.http.post(X, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(ids)
+
+
 async def test_tokenize_returns_the_token_strings_when_asked(server):
     """As vLLM's return_token_strs: the vocabulary's pieces, as transformers'
     convert_ids_to_tokens gives them (byte-level "Ġ" for a space)."""

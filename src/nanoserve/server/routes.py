@@ -137,7 +137,9 @@ class OpenAIServer:
         if offered or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
             messages, variables = render_history(messages, offered, native, syntax)
             kwargs = {**kwargs, **variables}
-        token_ids = await self._encode_chat(messages, req.add_generation_prompt, kwargs)
+        token_ids = await self._encode_chat(
+            messages, req.add_generation_prompt, kwargs, req.continue_final_message
+        )
         constraint = req.constraint()
         required = req.required_tools()
         if offered and constraint is not None and req.tool_choice != "none":
@@ -191,7 +193,9 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.messages is not None:
             messages = message_dicts(req.messages)
-            tokens = await self._encode_chat(messages, req.add_generation_prompt, {})
+            tokens = await self._encode_chat(
+                messages, req.add_generation_prompt, {}, req.continue_final_message
+            )
         else:
             tokens = await self._encode(req.prompt or "", req.add_special_tokens)
         body = {
@@ -353,20 +357,30 @@ class OpenAIServer:
         return await trio.to_thread.run_sync(encode, thread_name="tokenize")
 
     async def _encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+        continue_final: bool = False,
     ) -> list[int]:
         chars = sum(len(m["content"]) for m in messages)  # at least: the template adds more
         self._check_length(chars, "messages")
-        render = partial(self._render_chat, messages, add_generation_prompt, kwargs)
+        render = partial(self._render_chat, messages, add_generation_prompt, kwargs, continue_final)
         if chars <= LONG_PROMPT_CHARS:
             return render()
         return await trio.to_thread.run_sync(render, thread_name="tokenize")
 
     def _render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+        continue_final: bool,
     ) -> list[int]:
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
+            return self.tokenizer.encode_chat(
+                messages, add_generation_prompt, continue_final_message=continue_final, **kwargs
+            )
         except ValueError as e:
             raise InvalidRequest(str(e), "messages") from None
 

@@ -136,7 +136,6 @@ class ChatCompletionRequest(GenerationRequest):
             "prediction": self.prediction is not None,
             "reasoning_effort": self.reasoning_effort is not None,
             "web_search_options": self.web_search_options is not None,
-            "continue_final_message": self.continue_final_message,
             "echo": self.echo,
             "prompt_logprobs": self.prompt_logprobs is not None,
         }
@@ -145,6 +144,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     def check(self) -> None:
         super().check()
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         if self.top_logprobs and not self.logprobs:  # 0 (vLLM's default) asks for nothing
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if len(self.tools or []) > MAX_TOOLS:
@@ -243,3 +243,13 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: a final message continued is not followed by a new turn's prompt."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequest(
+            "continue_final_message and add_generation_prompt cannot both be true: send "
+            "add_generation_prompt: false to continue the last message",
+            "continue_final_message",
+        )

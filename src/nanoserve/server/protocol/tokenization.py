@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nanoserve.server.protocol.base import StrictModel
-from nanoserve.server.protocol.chat import ChatMessage
+from nanoserve.server.protocol.chat import ChatMessage, check_continuation
 from nanoserve.server.protocol.errors import InvalidRequest
 
 
@@ -15,16 +15,13 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    continue_final_message: bool = False  # refused: as in chat completions
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give either prompt or messages", "prompt")
-        if self.continue_final_message:
-            raise InvalidRequest(
-                "continue_final_message is not supported by this server", "continue_final_message"
-            )
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
 
 
 class DetokenizeRequest(StrictModel):
