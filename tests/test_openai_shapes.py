@@ -182,6 +182,24 @@ async def test_continue_final_message_continues_the_assistants_answer(server):
     assert response.json()["usage"]["prompt_tokens"] == len(ids)
 
 
+async def test_tokens_named_by_id_in_logprobs(server):
+    """vLLM's return_tokens_as_token_ids: "token_id:N" in every place logprobs name a token; the
+    text and its offsets are unchanged."""
+    body = {**COMPLETION, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    plain = (await server.http.post(C, json=body)).json()["choices"][0]
+    named = await server.http.post(C, json={**body, "return_tokens_as_token_ids": True})
+    named = named.json()["choices"][0]
+    assert named["text"] == plain["text"]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert all(t.startswith("token_id:") for t in named["logprobs"]["tokens"])
+    assert all(k.startswith("token_id:") for e in named["logprobs"]["top_logprobs"] for k in e)
+    chat = {**CHAT, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    content = (await server.http.post(X, json=chat)).json()["choices"][0]["logprobs"]["content"]
+    names = [e["token"] for e in content] + [t["token"] for e in content for t in e["top_logprobs"]]
+    assert names and all(n.startswith("token_id:") and n[9:].isdigit() for n in names)
+
+
 async def test_tokenize_returns_the_token_strings_when_asked(server):
     """As vLLM's return_token_strs: the vocabulary's pieces, as transformers'
     convert_ids_to_tokens gives them (byte-level "Ġ" for a space)."""

@@ -122,6 +122,8 @@ class OpenAIServer:
             self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo,
             prompt_logprobs=req.prompt_logprobs is not None,
         )  # fmt: skip
+        if req.return_tokens_as_token_ids:
+            fmt.name_tokens_by_id()
         return await self._respond(fmt, req.stream, _usage(req), token_ids, params)
 
     async def chat_completions(self) -> Response:
@@ -167,6 +169,8 @@ class OpenAIServer:
         fmt = ChatFormat(
             self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, tools
         )
+        if req.return_tokens_as_token_ids:
+            fmt.name_tokens_by_id()
         return await self._respond(fmt, req.stream, _usage(req), [token_ids], params)
 
     async def models(self) -> Response:

@@ -91,6 +91,7 @@ class GenerationRequest(StrictModel):
     allowed_token_ids: list[int] | None = Field(
         None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
     )
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     # OpenAI's: token ids (as strings, JSON's keys) to biases added to their logits.
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
