@@ -200,6 +200,19 @@ async def test_tokens_named_by_id_in_logprobs(server):
     assert names and all(n.startswith("token_id:") and n[9:].isdigit() for n in names)
 
 
+async def test_prompt_logprobs_on_chat_score_the_rendered_prompt(server):
+    """vLLM's prompt_logprobs on a unary chat: one entry per prompt token of the rendered chat
+    (None first), equal to what completions give for the same token ids."""
+    chat = {**CHAT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    body = (await server.http.post(X, json=chat)).json()
+    scored = body["prompt_logprobs"]
+    ids = (await server.http.post("/tokenize", json=MESSAGES)).json()["tokens"]
+    assert len(scored) == len(ids) == body["usage"]["prompt_tokens"] and scored[0] is None
+    same = {**COMPLETION, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    plain = (await server.http.post(C, json=same)).json()["choices"][0]["prompt_logprobs"]
+    assert scored == plain
+
+
 async def test_tokenize_returns_the_token_strings_when_asked(server):
     """As vLLM's return_token_strs: the vocabulary's pieces, as transformers'
     convert_ids_to_tokens gives them (byte-level "Ġ" for a space)."""

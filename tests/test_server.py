@@ -343,7 +343,7 @@ BAD_REQUESTS = [
     (C, _with(COMPLETION, suffix="end"), "suffix", "not supported"),
     (C, _with(COMPLETION, best_of=2), "best_of", "not supported"),
     (C, _with(COMPLETION, prompt_logprobs=21), "prompt_logprobs", "less than or equal to 20"),
-    (X, _with(CHAT, prompt_logprobs=1), "prompt_logprobs", "not supported"),
+    (X, _with(CHAT, prompt_logprobs=1, stream=True), "prompt_logprobs", "not supported with"),
     (C, _with(COMPLETION, guided_json="{not json"), "guided_json", "guided_json"),
     (C, _with(COMPLETION, include_stop_str_in_output=True), "include_stop_str_in_output", "not"),
     (X, _with(CHAT, tools=[{"type": "function"}]), "tools.0.function", "required"),

@@ -58,6 +58,12 @@ class ResponseFormat:
         client can map back even where a token's text is not valid UTF-8 on its own."""
         self.token_name = _by_id
 
+    def _vllm_entries(self, entry: dict[int, Logprob]) -> dict[int, PromptLogprob]:
+        return {
+            k: PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=self.token_name(k))
+            for k, v in entry.items()
+        }
+
     def opening(self, num_prompts: int) -> list[BaseModel]:
         return []
 
@@ -206,12 +212,6 @@ class CompletionFormat(ResponseFormat):
         chosen = {k: v for k, v in entry.items() if k == token or v.rank <= top_n}
         return {self.token_name(k): v.logprob for k, v in chosen.items()}
 
-    def _vllm_entries(self, entry: dict[int, Logprob]) -> dict[int, PromptLogprob]:
-        return {
-            k: PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=self.token_name(k))
-            for k, v in entry.items()
-        }
-
     def _logprobs(self, index: int, c: CompletionOutput, start: int) -> CompletionLogprobs | None:
         if c.logprobs is None:
             return None
@@ -279,6 +279,7 @@ class ChatFormat(ResponseFormat):
         super().__init__(tokenizer, request_id, model, params)
         self.tools = tools
         self.calls: dict[int, _Calls] = {}
+        self.prompt_logprobs = params.prompt_logprobs is not None  # vLLM's, unary only
 
     def opening(self, num_prompts: int) -> list[BaseModel]:
         return [
@@ -380,9 +381,13 @@ class ChatFormat(ResponseFormat):
                 )
             )
         usage = self.usage(sum(len(c.token_ids) for c in out.outputs))
+        scored = None
+        if self.prompt_logprobs and out.prompt_logprobs is not None:
+            scored = [None if e is None else self._vllm_entries(e) for e in out.prompt_logprobs]
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
+            prompt_logprobs=scored,
+        )  # fmt: skip
 
     def usage_chunk(self) -> BaseModel:
         return self._chunk([], self.streamed_usage())

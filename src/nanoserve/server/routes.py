@@ -160,7 +160,9 @@ class OpenAIServer:
         if required:  # a named function is called once; "required" may call several
             named = req.tool_choice != "required"
             constraint = syntax.grammar(required, req.parallel_tool_calls and not named, open_id)
-        params = req.sampling_params(req.completion_limit, req.num_logprobs, None, constraint)
+        params = req.sampling_params(
+            req.completion_limit, req.num_logprobs, req.prompt_logprobs, constraint
+        )
         if offered and syntax.special:  # the calls start with a control token: keep it in text
             params.skip_special_tokens = False
         tools = None

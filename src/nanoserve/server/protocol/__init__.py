@@ -7,7 +7,13 @@ naming the field (a 400); a known parameter that would change the answer and is 
 is refused by name, never accepted and ignored. Responses mirror OpenAI's shapes. Owns nothing.
 """
 
-from nanoserve.server.protocol.base import PromptTokensDetails, StrictModel, UsageInfo, parse
+from nanoserve.server.protocol.base import (
+    PromptLogprob,
+    PromptTokensDetails,
+    StrictModel,
+    UsageInfo,
+    parse,
+)
 from nanoserve.server.protocol.chat import (
     MAX_TOOLS,
     SERVER_TEMPLATE_KEYS,
@@ -36,7 +42,6 @@ from nanoserve.server.protocol.completions import (
     CompletionRequest,
     CompletionResponse,
     Prompt,
-    PromptLogprob,
 )
 from nanoserve.server.protocol.errors import ErrorInfo, ErrorResponse, InvalidRequest
 from nanoserve.server.protocol.generation import (

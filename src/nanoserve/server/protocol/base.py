@@ -77,3 +77,11 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: a token's logprob, its rank and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from nanoserve.server.protocol.base import StrictModel, UsageInfo
+from nanoserve.server.protocol.base import PromptLogprob, StrictModel, UsageInfo
 from nanoserve.server.protocol.errors import InvalidRequest
 from nanoserve.server.protocol.generation import MAX_LOGPROBS, GenerationRequest
 
@@ -125,7 +125,7 @@ class ChatCompletionRequest(GenerationRequest):
     web_search_options: Any = None
     continue_final_message: bool = False
     echo: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's, unary only
 
     def refused(self) -> str | None:
         unsupported = {
@@ -137,7 +137,6 @@ class ChatCompletionRequest(GenerationRequest):
             "reasoning_effort": self.reasoning_effort is not None,
             "web_search_options": self.web_search_options is not None,
             "echo": self.echo,
-            "prompt_logprobs": self.prompt_logprobs is not None,
         }
         own = next((name for name, used in unsupported.items() if used), None)
         return super().refused() or own
@@ -145,6 +144,9 @@ class ChatCompletionRequest(GenerationRequest):
     def check(self) -> None:
         super().check()
         check_continuation(self.continue_final_message, self.add_generation_prompt)
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequest("prompt_logprobs is not supported with stream on chat: ask "
+                                 "for it on a unary request", "prompt_logprobs")  # fmt: skip
         if self.top_logprobs and not self.logprobs:  # 0 (vLLM's default) asks for nothing
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if len(self.tools or []) > MAX_TOOLS:
@@ -225,6 +227,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # vLLM: with `prompt_logprobs`, per prompt token (None first) its logprob and alternatives
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class ChatChunkChoice(BaseModel):

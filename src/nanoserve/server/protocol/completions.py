@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from nanoserve.server.protocol.base import UsageInfo
+from nanoserve.server.protocol.base import PromptLogprob, UsageInfo
 from nanoserve.server.protocol.errors import InvalidRequest
 from nanoserve.server.protocol.generation import MAX_LOGPROBS, GenerationRequest
 
@@ -55,12 +55,6 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]  # None for an echoed prompt's first token
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
-
-
-class PromptLogprob(BaseModel):
-    logprob: float
-    rank: int
-    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
