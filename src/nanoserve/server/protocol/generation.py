@@ -18,6 +18,7 @@ MAX_SEQUENCES = 256  # prompts x n in one request: each one is a sequence in the
 MAX_STOP = 16  # stop strings in one request (OpenAI allows 4)
 MAX_STOP_CHARS = 4096  # their total length
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids in one request
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (as the sampler allows)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # vLLM's allowed_token_ids: more than any vocabulary
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # a signed 64-bit integer, as in OpenAI's and vLLM's
 
@@ -93,7 +94,7 @@ class GenerationRequest(StrictModel):
     )
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     # OpenAI's: token ids (as strings, JSON's keys) to biases added to their logits.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
