@@ -48,8 +48,7 @@ setup(
     ext_modules=[
         Extension(
             "nanoserve.kernels._C",
-            # Every C file of kernels/csrc (not its experiments/): a new kernel file is built
-            # without a line here.
+            # Every C file of kernels/csrc: a new kernel file is built without a line here.
             sources=sorted(glob("kernels/csrc/*.c")),
             depends=sorted(glob("kernels/csrc/*.h")),
             # -std=c11 turns off FMA contraction; -ffp-contract=fast turns it back on.

@@ -15,7 +15,7 @@ measured at M = 1 on Llama-3.2-1B's MLP shapes (GEMV_SHAPES) beside Q4_1 and Q8_
 after the other on the same shape (--gemv-only: that alone).
 
 --compare-dequant adds the alternative the kernels do not take: the weights de-quantized to
-float32 instead of the activations quantized to int16 (kernels/csrc/experiments/dequant_f32.c,
+float32 instead of the activations quantized to int16 (bench/experiments/dequant_f32.c,
 compiled here with the system C compiler for -march=native and x86-64-v3: a GEMV for M <= 4, a
 panel-de-quantizing GEMM above), and de-quantize-then-F.linear (MKL's GEMM on a float copy).
 
@@ -57,7 +57,7 @@ SWEEP_ROWS = (1, 4)
 GEMV_SHAPES = [(8192, 2048, "gate, up (1B)"), (2048, 8192, "down (1B)")]
 GEMV_QTYPES = ("q4_k", "q6_k", "q4_1", "q8_0")
 RESULTS = Path(__file__).parent / "results"
-EXPERIMENT = Path(__file__).parents[1] / "kernels" / "csrc" / "experiments" / "dequant_f32.c"
+EXPERIMENT = Path(__file__).parent / "experiments" / "dequant_f32.c"
 
 
 def parse_args() -> argparse.Namespace:

@@ -37,7 +37,7 @@ from nanoserve.model.parallel import Parallel
 
 RESULTS = Path(__file__).parent / "results"
 BATCHES = (1, 4, 16, 64, 256)  # rows of the [rows, hidden] tensors all-reduced alone
-MESSAGE = 512  # int64s of a step message's first broadcast (engine/channel.py's FIRST)
+MESSAGE = 512  # int64s of a step message's first broadcast (engine/parallel/channel.py's FIRST)
 
 
 @contextmanager

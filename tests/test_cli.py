@@ -90,6 +90,15 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir, tmp_pa
     _one_line_error(result, f"127.0.0.1:{port} is in use; pass --port")
 
 
+def test_a_chat_template_that_does_not_compile_stops_the_start(tiny_model_dir, tmp_path):
+    """Compiled once the tokenizer is built, after the weights: the last line names it."""
+    result = _run("generate", str(tiny_model_dir), "--prompt", "x", "--chat-template",
+                  "{% for %}", env_cache=tmp_path)  # fmt: skip
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("nanoserve: chat_template must be a Jinja template that compiles")
+
+
 @pytest.mark.parametrize(
     "args,words",
     [
@@ -103,6 +112,7 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model_dir, tmp_pa
         (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization must be", "(0, 1]"]),
         (["-tp", "0"], ["--tensor-parallel-size must be an integer >= 1, got 0"]),
         (["--device", "gpu"], ["--device must be cpu, cuda or cuda:N, got gpu"]),
+        (["--chat-template", "no-such.jinja"], ["--chat-template must be a readable file"]),
         (["--max-request-bytes", "0"], ["--max-request-bytes must be an integer >= 1"]),
         (["--port", "80800"], ["--port must be an integer in 0..65535, got 80800"]),
         (["--port", "http"], ["--port", "invalid int value: 'http'"]),

@@ -1,7 +1,8 @@
 """Requests as vLLM's own tests and today's OpenAI SDKs send them, over a real socket: fields at
 their defaults, OpenAI's bookkeeping fields, seeds across the signed 64-bit range, vLLM's
-continuous usage stats, /tokenize's token strings, /tokenizer_info's class, and the model
-retrieved by the name or the path it was served from (`nanoserve serve`).
+continuous usage stats, /tokenize's token strings, /tokenizer_info's class, the model retrieved
+by the name or the path it was served from (`nanoserve serve`), and OpenAI's logit_bias with
+vLLM's allowed_token_ids through the openai SDK.
 """
 
 import json
@@ -49,7 +50,7 @@ async def test_fields_at_their_defaults_are_accepted(server, path, body):
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        (C, {**COMPLETION, "logit_bias": {"5": 0, "6": 1}}, "logit_bias"),
+        (C, {**COMPLETION, "logit_bias": {"5": 0, "6": 1000}}, "logit_bias"),
         (X, {**CHAT, "continue_final_message": True}, "continue_final_message"),
         ("/tokenize", {**MESSAGES, "continue_final_message": True}, "continue_final_message"),
         (C, {**COMPLETION, "stream_options": {"continuous_usage_stats": True}}, "stream"),
@@ -113,6 +114,105 @@ async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client
         assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
 
 
+async def test_logit_bias_and_allowed_token_ids_steer_the_answer(server, client):
+    """A bias of 100 on one token makes a greedy answer all that token (chat and completions);
+    allowed_token_ids keep a sampled answer to those ids."""
+
+    async def text_of(token_id):
+        response = await server.http.post("/detokenize", json={"tokens": [token_id]})
+        return response.json()["prompt"]
+
+    chat = await client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logit_bias={"65": 100}, logprobs=True,
+    )  # fmt: skip
+    assert [t.token for t in chat.choices[0].logprobs.content] == [await text_of(65)] * 4
+    text = await client.completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=4, temperature=0, logit_bias={"65": 100}
+    )
+    assert text.choices[0].text == (await text_of(65)) * 4
+    allowed = await client.completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=8, temperature=1.0, seed=3, logprobs=0,
+        extra_body={"allowed_token_ids": [66, 67]},
+    )  # fmt: skip
+    tokens = allowed.choices[0].logprobs.tokens
+    assert len(tokens) == 8 and set(tokens) <= {await text_of(66), await text_of(67)}
+
+
+async def test_models_and_version_say_what_vllm_says(server, client):
+    """/v1/models gives the context length, the path the model was loaded from as `root` and no
+    `parent`; /version gives the installed version."""
+    from importlib import metadata
+
+    (card,) = (await client.models.list()).data
+    assert card.model_extra["max_model_len"] == server.engine.max_model_len
+    assert card.model_extra["root"] == MODEL_NAME  # live_server gives no path: the name
+    assert card.model_extra["parent"] is None
+    response = await server.http.get("/version")
+    assert response.json() == {"version": metadata.version("nanoserve")}
+
+
+async def test_a_chat_template_of_the_servers_own_replaces_the_models(tiny_model_dir, tmp_path):
+    """--chat-template FILE (or the template itself) renders every chat, /tokenize's too."""
+    template = tmp_path / "brackets.jinja"
+    template.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    for given in (str(template), template.read_text()):
+        async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS, chat_template=given) as s:
+            chat = await s.http.post("/tokenize", json={**MESSAGES, "add_special_tokens": False})
+            text = await s.http.post("/tokenize", json={"prompt": "[hi]", "add_special_tokens":
+                                                        False})  # fmt: skip
+            assert chat.json()["tokens"] == text.json()["tokens"]
+
+
+async def test_continue_final_message_continues_the_assistants_answer(server):
+    """With add_generation_prompt false, the prompt ends with the last message's text (no end of
+    its turn, no new turn), and the answer continues it; both flags true are a 400."""
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    cont = await server.http.post("/tokenize", json={"messages": begun, **flags})
+    closed = await server.http.post("/tokenize", json={"messages": begun,
+                                                       "add_generation_prompt": False})  # fmt: skip
+    tail = await server.http.post("/tokenize", json={"prompt": "Once upon",
+                                                     "add_special_tokens": False})  # fmt: skip
+    ids, end = cont.json()["tokens"], tail.json()["tokens"]
+    assert ids[-len(end) :] == end and len(ids) < closed.json()["count"]
+    body = {**CHAT, "messages": begun, **flags, "max_tokens": 3, "temperature": 0}
+    response = await server.http.post(X, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+async def test_tokens_named_by_id_in_logprobs(server):
+    """vLLM's return_tokens_as_token_ids: "token_id:N" in every place logprobs name a token; the
+    text and its offsets are unchanged."""
+    body = {**COMPLETION, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    plain = (await server.http.post(C, json=body)).json()["choices"][0]
+    named = await server.http.post(C, json={**body, "return_tokens_as_token_ids": True})
+    named = named.json()["choices"][0]
+    assert named["text"] == plain["text"]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert all(t.startswith("token_id:") for t in named["logprobs"]["tokens"])
+    assert all(k.startswith("token_id:") for e in named["logprobs"]["top_logprobs"] for k in e)
+    chat = {**CHAT, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    content = (await server.http.post(X, json=chat)).json()["choices"][0]["logprobs"]["content"]
+    names = [e["token"] for e in content] + [t["token"] for e in content for t in e["top_logprobs"]]
+    assert names and all(n.startswith("token_id:") and n[9:].isdigit() for n in names)
+
+
+async def test_prompt_logprobs_on_chat_score_the_rendered_prompt(server):
+    """vLLM's prompt_logprobs on a unary chat: one entry per prompt token of the rendered chat
+    (None first), equal to what completions give for the same token ids."""
+    chat = {**CHAT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    body = (await server.http.post(X, json=chat)).json()
+    scored = body["prompt_logprobs"]
+    ids = (await server.http.post("/tokenize", json=MESSAGES)).json()["tokens"]
+    assert len(scored) == len(ids) == body["usage"]["prompt_tokens"] and scored[0] is None
+    same = {**COMPLETION, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    plain = (await server.http.post(C, json=same)).json()["choices"][0]["prompt_logprobs"]
+    assert scored == plain
+
+
 async def test_tokenize_returns_the_token_strings_when_asked(server):
     """As vLLM's return_token_strs: the vocabulary's pieces, as transformers'
     convert_ids_to_tokens gives them (byte-level "Ġ" for a space)."""
@@ -154,6 +254,7 @@ async def test_a_gguf_file_is_served_by_its_name_and_retrieved_by_name_or_path()
             assert [m.id for m in (await client.models.list()).data] == [name]
             assert (await client.models.retrieve(name)).id == name
             assert (await client.models.retrieve(str(path))).id == name
+            assert (await client.models.retrieve(name)).model_extra["root"] == str(path)
             for model in (name, str(path)):
                 r = await client.completions.create(model=model, prompt="Hi", max_tokens=1)
                 assert r.model == name

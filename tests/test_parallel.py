@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.engine.channel import from_message, to_message
 from nanoserve.engine.inputs import pack
+from nanoserve.engine.parallel.channel import from_message, to_message
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.parallel import (
     check_divisible,

@@ -12,8 +12,8 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import QUANTIZATIONS, EngineConfig
 from nanoserve.default_model import default_model_path
-from nanoserve.engine.model_runner import resolve_dtype
 from nanoserve.kernels import QUANT_TYPES, QuantizedWeight
+from nanoserve.model import resolve_dtype
 from nanoserve.model.checkpoint import open_checkpoint
 from nanoserve.model.gguf_file import GGUFCheckpoint
 from nanoserve.model.quantized import QuantLinear
@@ -149,7 +149,7 @@ AGREEMENT, LOGPROB_DIFF = 0.995, 0.01
 
 
 def test_dtype_auto_picks_the_fastest_correct_dtype(tiny_model_dir, monkeypatch):
-    import nanoserve.engine.model_runner as runner
+    import nanoserve.model.load as runner
 
     auto = EngineConfig(dtype="auto")
     hf, ggufd = open_checkpoint(tiny_model_dir), open_checkpoint(SMOLLM)

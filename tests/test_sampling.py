@@ -147,3 +147,36 @@ def test_bad_sampling_params_name_the_field(field, value):
 def test_min_tokens_above_max_tokens_is_refused():
     with pytest.raises(ValueError, match="min_tokens must be"):
         SamplingParams(min_tokens=10, max_tokens=5)
+
+
+def test_logit_bias_and_allowed_token_ids_steer_every_row_alone():
+    """A bias of 100 makes its token the greedy pick, -100 bans the greedy pick; allowed ids are
+    the only ones sampled, greedy or not; the logprobs stay the model's own; other rows of the
+    batch are untouched."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    top = logits.argmax(dim=-1).tolist()
+    rows = [
+        SampleRow(SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=1), 1, 0, [], []),
+        SampleRow(SamplingParams(temperature=0, logit_bias={top[1]: -100.0}), 1, 0, [], []),
+        SampleRow(SamplingParams(temperature=1.0, allowed_token_ids=[3, 9], seed=1), 1, 0, [], []),
+        SampleRow(SamplingParams(temperature=0), 1, 0, [], []),
+    ]
+    out = sample(logits, rows)
+    assert out[0].token_id == 7
+    assert out[0].logprobs[7].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[7]))
+    assert out[1].token_id != top[1]
+    assert out[3].token_id == top[3]
+    for seed in range(20):
+        row = SampleRow(SamplingParams(allowed_token_ids=[3, 9], seed=seed), seed, 0, [], [])
+        assert sample(logits[2:3], [row])[0].token_id in (3, 9)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"logit_bias": {3: 101.0}}, {"logit_bias": {-1: 1.0}}, {"allowed_token_ids": []},
+     {"logit_bias": {i: 1.0 for i in range(1025)}}],
+)  # fmt: skip
+def test_logit_bias_and_allowed_token_ids_are_checked(kwargs):
+    with pytest.raises(ValueError, match=f"^{next(iter(kwargs))} must be"):
+        SamplingParams(**kwargs)

@@ -28,13 +28,13 @@ def _step(scheduler):
     batch = scheduler.schedule()
     for item in batch:
         if item.request.prompt_logprobs is not None:
-            item.request.prompt_logprobs += [{}] * len(item.prompt_logprob_positions)
+            item.request.prompt_logprobs += [{}] * len(item.chunk().prompt_logprob_positions)
     scheduler.after_step(batch)
     for item in batch:
         request = item.request
         if item.samples:
             request.token_ids.append(1)
-            if request.num_output_tokens >= request.max_tokens:
+            if request.num_output_tokens >= request.output_limit:
                 scheduler.remove(request)
     return {item.request.request_id: item.num_new_tokens for item in batch}
 

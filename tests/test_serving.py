@@ -30,7 +30,8 @@ async def _serve(nursery, engine, **kw):
 
 
 async def _collect(serving, prompt, params=GREEDY):
-    async with serving.generate(prompt, params) as outputs:
+    (admitted,) = await serving.admit([prompt], params)
+    async with serving.generate(admitted) as outputs:
         return [out async for out in outputs]
 
 
@@ -85,7 +86,7 @@ async def test_cancelled_caller_aborts_a_running_request_within_a_step(engine):
     async with trio.open_nursery() as nursery:
         serving = await _serve(nursery, engine)
         params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-        async with serving.generate([1, 2, 3], params) as outputs:
+        async with serving.generate(engine.admit([1, 2, 3], params)) as outputs:
             async for out in outputs:
                 if len(out.outputs[0].token_ids) >= 3:
                     break
@@ -103,7 +104,7 @@ async def test_a_slow_reader_gets_coalesced_snapshots(engine):
         serving = await _serve(nursery, engine)
         params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
         seen = []
-        async with serving.generate([1, 2, 3], params) as outputs:
+        async with serving.generate(engine.admit([1, 2, 3], params)) as outputs:
             async for out in outputs:
                 seen.append(len(out.outputs[0].token_ids))
                 await trio.sleep(0.05)  # far slower than a step
@@ -120,7 +121,7 @@ async def test_refusals_happen_before_anything_is_queued(engine):
         with pytest.raises(RequestRejected) as e:
             await _collect(serving, [1], SamplingParams(max_tokens=10**6))
         assert e.value.param == "max_tokens"
-        async with serving.generate([1, 2], GREEDY):
+        async with serving.generate(engine.admit([1, 2], GREEDY)):
             with pytest.raises(Overloaded):
                 await _collect(serving, [1, 2])
         nursery.cancel_scope.cancel()

@@ -14,7 +14,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig, SettingError
 from nanoserve.default_model import default_model_path
 from nanoserve.engine import StructuredOutputsParams
-from nanoserve.engine.spec_decode import ngram_draft
+from nanoserve.engine.spec.ngram import ngram_draft
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.stats import ServingStats
 from nanoserve.testing.harness import MODEL_NAME, live_server

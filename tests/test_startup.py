@@ -114,7 +114,7 @@ def test_a_request_without_max_tokens_stops_at_the_default(engine):
 
 def test_without_max_tokens_the_context_still_bounds_the_request(engine):
     params = SamplingParams(max_tokens=None)
-    assert engine.check_request(list(range(1, 61)), params) == 4  # 64 - 60 < 5
+    assert engine.admit(list(range(1, 61)), params).output_limit == 4  # 64 - 60 < 5
 
 
 def test_min_tokens_above_the_default_is_refused_like_an_explicit_max_tokens(engine):
@@ -123,7 +123,7 @@ def test_min_tokens_above_the_default_is_refused_like_an_explicit_max_tokens(eng
     with pytest.raises(
         RequestRejected, match="min_tokens must be <= max_tokens, got 1000000000"
     ) as e:
-        engine.check_request([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=10**9))
+        engine.admit([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=10**9))
     assert e.value.param == "min_tokens"
     assert "at most 5 tokens" in str(e.value)
 

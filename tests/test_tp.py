@@ -249,7 +249,8 @@ def test_a_start_that_fails_after_the_workers_stops_them(tiny_model_dir, monkeyp
     """An error once the group runs (here in the grammar compiler, built after the weights)
     stops the worker at once, while the error is still held, and frees torch.distributed's one
     process group for the next engine."""
-    from nanoserve.engine import engine, tp
+    from nanoserve.engine import engine
+    from nanoserve.engine.parallel import tp
 
     launched = []
     launch = tp.TensorParallelExecutor.launch

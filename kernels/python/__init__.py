@@ -1,15 +1,17 @@
-"""Paged-attention decode kernels for nanoserve: one API, three backends (torch, C, Triton).
+"""nanoserve's kernels: paged attention, the CPU decode helpers and matmuls on GGUF blocks, one
+API (api.py) over the torch reference, C with OpenMP (the _C module setup.py builds from
+kernels/csrc) and Triton. Imports nothing of nanoserve.
 
-paged_attention_decode reads the paged KV cache ([num_blocks, num_kv_heads, block_size, head_dim]);
-store_kv writes new tokens into it. backend="auto" picks Triton for CUDA tensors and the C kernel
-for CPU tensors; a C module that was not built is an error (BackendUnavailableError), never a
-silent fallback.
-small_linear is F.linear for a few rows (the batch-1 decode GEMV) at memory speed on the CPU;
-rms_norm, rope_ and gated_mul do RMSNorm, rotary embedding and the gated MLP's activation (SwiGLU
-or GELU-tanh) in one C call each on the CPU.
-quantized_linear multiplies by a matrix kept in one of llama.cpp's GGUF block formats (QUANT_TYPES,
-the C module's table of formats; see quant.py) on the CPU's best instruction set
-(cpu_isa()), its input rounded to int16 (ACTIVATIONS).
+- Paged attention: paged_attention_decode reads the paged KV cache ([num_blocks, num_kv_heads,
+  block_size, head_dim]); store_kv writes new tokens into it. backend="auto" picks Triton for CUDA
+  tensors and the C kernel for CPU tensors; a C module that was not built is an error
+  (BackendUnavailableError), never a silent fallback.
+- The CPU decode helpers: small_linear is F.linear for a few rows (the batch-1 decode GEMV) at
+  memory speed; rms_norm, rope_ and gated_mul do RMSNorm, rotary embedding and the gated MLP's
+  activation (SwiGLU or GELU-tanh) in one C call each.
+- Matmuls on GGUF blocks (quant.py): quantized_linear multiplies by a matrix kept in one of
+  llama.cpp's block formats (QUANT_TYPES, the C module's table of formats) on the CPU's best
+  instruction set (cpu_isa()), its input rounded to int16 (ACTIVATIONS).
 """
 
 from .api import (

@@ -19,7 +19,8 @@ import triton.language as tl
 TOKENS_PER_SPLIT = 256
 BLOCK_N = 64  # tokens per inner tile; tokens are gathered through the block table one by one
 NUM_WARPS = 4
-NUM_STAGES = 2  # bench_kernels --sweep on an H200: 84% of copy bandwidth at 64 x 4096, 76% with 3
+# Pipeline stages: the sweep's choice (bench_kernels --sweep; README, kernels_cuda_sweep.json).
+NUM_STAGES = 2
 # Whether triton was imported in interpreter mode: the only way these kernels run on CPU tensors.
 INTERPRETED = not isinstance(tl.zeros, triton.runtime.JITFunction)
 

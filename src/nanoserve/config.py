@@ -7,6 +7,7 @@ here when a config is built. Both frozen. Imports no torch, so that `--help` ans
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
@@ -115,6 +116,18 @@ POSITIVE = _integer(1)
 POWER_OF_2 = Limit("a power of 2", lambda v: _is_int(v) and v > 0 and v & (v - 1) == 0)
 DEVICE = Limit("cpu, cuda or cuda:N", lambda v: isinstance(v, str) and bool(_DEVICE.fullmatch(v)))
 BOOLEAN = Limit("True or False", lambda v: isinstance(v, bool))
+TEMPLATE = Limit(
+    "a readable file or a Jinja template ({{ or {% in it)",
+    lambda v: isinstance(v, str) and (os.path.isfile(v) or "{{" in v or "{%" in v),
+)
+
+
+def chat_template_source(value: str) -> str:
+    """The template a chat_template setting names: the file's text, or the setting itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
 
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -240,6 +253,10 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "processes the model is split across: one device each on CUDA; on a CPU they share "
         "its threads", aliases=("-tp",), limit=POSITIVE,
+    )  # fmt: skip
+    chat_template: str | None = setting(
+        None, "a Jinja chat template (a file, or the template itself) instead of the model's",
+        limit=TEMPLATE, unset="the model's own",
     )  # fmt: skip
     grammar_compile_seconds: float = setting(
         0.8, "longest a structured-output constraint may take to compile; a longer one is "

@@ -17,7 +17,7 @@ NANOSERVE_MARCH (default native): the -march the C kernels are built for. Read b
     build time.
 MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK (default unset): torch.distributed's
     env:// rendezvous, for tensor-parallel ranks on several machines (`nanoserve worker`). Read
-    by engine/tp.py, where the ranks join the group.
+    by engine/parallel/tp.py, where the ranks join the group.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class Tokenizer:
         max_token_chars: int | None = None,
     ) -> None:
         """max_token_chars: what the vocabulary gives it (below), where that is known (a GGUF's
-        index keeps it: 20 ms of a 49k-token vocabulary's load)."""
+        index keeps it, so a load does not list the whole vocabulary to find it)."""
         config = config or {}
         self._tok = tok
         self.chat_template = chat_template
@@ -117,10 +117,29 @@ class Tokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with `source` from now on (compiled here: a syntax error is a
+        ValueError at once, not at the first chat)."""
+        try:
+            template = _compile_template(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(
+                f"chat_template must be a Jinja template that compiles (line {e.lineno}: "
+                f"{e.message})"
+            ) from None
+        self.chat_template, self._template = source, template
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
-        """Render messages as transformers does; a template error becomes a ValueError."""
+        """Render messages as transformers does; a template error becomes a ValueError.
+        continue_final_message: the text ends with the last message's content, not its turn's
+        end, so that the model continues it (an assistant's answer begun by the client)."""
         if self._template is None:
             if not self.chat_template:
                 raise ValueError(
@@ -131,14 +150,20 @@ class Tokenizer:
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except Exception as e:  # the template is the checkpoint's code, the messages the user's
             raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
+        return _up_to_final(text, messages[-1]) if continue_final_message else text
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> list[int]:
         """A conversation's prompt ids. Special tokens come only from the template: one typed
         inside a message (`<|im_end|>`, ...) is tokenized as the text it is, so a message cannot
@@ -152,7 +177,9 @@ class Tokenizer:
             return self._specials.sub(lambda m: f"\ue000{nonce}:{_keep(typed, m[0])}\ue001", value)
 
         shielded = [{k: shield(v) for k, v in m.items()} for m in messages]
-        text = self.apply_chat_template(shielded, add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(
+            shielded, add_generation_prompt, continue_final_message=continue_final_message, **kwargs
+        )
         if not typed:
             return self.encode(text, add_special_tokens=False)  # the template has the BOS
         pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
@@ -329,6 +356,18 @@ class _GenerationTag(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _up_to_final(text: str, final: dict[str, Any]) -> str:
+    """The rendered chat cut after the last message's content, as transformers cuts it."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[: at + len(piece)]
+    raise ValueError("continue_final_message: the chat template drops the last message's text")
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -1,15 +1,17 @@
 """The engine: continuous batching over a paged KV cache. Outside this package only these names
 are used; the scheduler, the KV cache manager and the requests stay inside."""
 
-from nanoserve.engine.engine import Engine, EngineStats, RequestRejected, SchedulerStalled
+from nanoserve.engine.admission import Admitted, RequestRejected
+from nanoserve.engine.engine import Engine, EngineStats, SchedulerStalled
 from nanoserve.engine.memory import NotEnoughMemory
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.parallel.tp import WorkerFailed
+from nanoserve.engine.parallel.worker import worker_from_env
 from nanoserve.engine.sampling import Logprob, SamplingParams
 from nanoserve.engine.structured import GrammarError, StructuredOutputsParams, closed_schema
-from nanoserve.engine.tp import WorkerFailed
-from nanoserve.engine.worker import worker_from_env
 
 __all__ = [
+    "Admitted",
     "CompletionOutput",
     "Engine",
     "EngineStats",

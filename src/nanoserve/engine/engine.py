@@ -1,12 +1,12 @@
-"""The engine. Its whole surface: `add_request`, `check_request`, `abort`, `abort_all`, `step`,
+"""The engine. Its whole surface: `admit`, `add_request`, `abort`, `abort_all`, `step`,
 `has_unfinished`, `stats()`, `check_health`, `close`, and the fixed facts `tokenizer`,
 `max_model_len`, `num_blocks`. Each step schedules a batch, runs one forward over the packed
 tokens, samples, detokenizes and checks stop conditions. Single-threaded and lock-free: whoever
 owns an Engine calls it from one place at a time (the offline loop, or the serving task); it owns
-the scheduler, the KV cache manager, every request and the executor (engine/executor.py), which
+the scheduler, the KV cache manager, every request and the executor (parallel/executor.py), which
 runs the model on one rank or on every rank of a tensor-parallel group: one KV cache manager
-decides every rank's block tables. With speculative decoding (engine/spec_decode.py; a draft
-model, engine/draft_model.py, runs as the scheduler plans, in the step) a step may verify a
+decides every rank's block tables. With speculative decoding (spec/ngram.py; a draft
+model, engine/spec/draft_model.py, runs as the scheduler plans, in the step) a step may verify a
 decode's draft: every position is sampled as if its draft prefix had been accepted, and the
 samples are appended one by one, through the same checks, until one differs from the draft or
 the request finishes.
@@ -22,31 +22,23 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.config import EngineConfig
-from nanoserve.engine.draft_model import DraftModelProposer
-from nanoserve.engine.executor import start_executor
-from nanoserve.engine.kv_cache import cdiv
+from nanoserve.config import EngineConfig, chat_template_source
+from nanoserve.engine.admission import Admission, Admitted, RequestRejected
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.memory import Pools, check_fits, gib, headroom, working_margin
-from nanoserve.engine.model_runner import ModelRunner, resolve_dtype
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.parallel.executor import start_executor
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
 from nanoserve.engine.scheduler import Proposer, ScheduledRequest, Scheduler
-from nanoserve.engine.spec_decode import NgramProposer, SpecStats
-from nanoserve.engine.structured import GrammarCompiler, GrammarError, mask_logits
-from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
+from nanoserve.engine.spec.draft_model import DraftModelProposer
+from nanoserve.engine.spec.ngram import NgramProposer, SpecStats
+from nanoserve.engine.structured import CompiledGrammar, GrammarCompiler, mask_logits
+from nanoserve.model import Checkpoint, open_checkpoint, resolve_dtype
 from nanoserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """A request the engine cannot take; `param` names the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 class SchedulerStalled(RuntimeError):
@@ -90,6 +82,8 @@ class Engine:
         cache's manager, the proposer of speculative drafts and the scheduler."""
         config, mc = self.config, self.model_config
         self.tokenizer = checkpoint.tokenizer()
+        if config.chat_template is not None:  # instead of the model's own
+            self.tokenizer.use_chat_template(chat_template_source(config.chat_template))
         self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
         self.grammars = GrammarCompiler(
@@ -98,6 +92,8 @@ class Engine:
         self.runner = self.executor.runner  # rank 0's: prepares each step, knows the pool
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
+        self._admission = Admission(config, self.tokenizer, self.grammars, mc.vocab_size,
+                                    self.max_model_len, self.num_blocks)  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
         )
@@ -198,20 +194,38 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
 
+    def admit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        grammar: CompiledGrammar | None = None,
+    ) -> Admitted:
+        """The request checked against the engine's fixed limits, its constraint compiled (unless
+        `grammar` is), or RequestRejected naming the field. Reads fixed settings only: any thread
+        may call it."""
+        return self._admission.admit(prompt, params, grammar)
+
+    def compile_constraint(self, params: SamplingParams) -> CompiledGrammar:
+        """The request's constraint compiled (thread-safe, cached), or RequestRejected."""
+        return self._admission.compile(params)
+
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | Admitted,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; raises RequestRejected (naming the field) if it could never run.
+        """Queue a request: an `Admitted` one (`admit`) as it is, or a prompt and its parameters,
+        admitted first; raises RequestRejected (naming the field) if it could never run.
         `arrival_time` (time.monotonic) defaults to now; a server passes when the client asked."""
-        params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self.check_request(token_ids, params)
+        if isinstance(prompt, Admitted):
+            admitted = prompt
+        else:
+            admitted = self.admit(prompt, params or SamplingParams())
+        params, token_ids = admitted.params, admitted.token_ids
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         arrived = arrival_time if arrival_time is not None else time.monotonic()
         group = []
@@ -222,70 +236,16 @@ class Engine:
             )
             rid = request_id if params.n == 1 else f"{request_id}-{index}"
             request = Request(
-                rid, request_id, index, token_ids, params, seed, max_tokens, detokenizer
-            )
+                rid, request_id, index, token_ids, params, seed, admitted.output_limit,
+                detokenizer,
+            )  # fmt: skip
             request.arrival_time = arrived
-            if params.structured_outputs is not None:
-                request.matcher = self.grammars.matcher(params.structured_outputs)
+            if admitted.grammar is not None:
+                request.matcher = admitted.grammar.matcher.deep_copy()
             group.append(request)
         self._groups[request_id] = group
         for request in group:
             self.scheduler.add(request)
-
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Refuse what could never run, with the numbers; returns the effective max_tokens (without
-        one: the config's default_max_tokens, or what the context leaves if less). Reads only
-        fixed settings, so any thread may call it."""
-        vocab = self.model_config.vocab_size
-        if not token_ids:
-            raise RequestRejected("prompt is empty", "prompt")
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestRejected(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
-            )
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise RequestRejected(
-                f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
-            )
-        n, limit = len(token_ids), self.max_model_len
-        if n > limit or (n == limit and params.max_tokens != 0):
-            raise RequestRejected(
-                f"prompt has {n} tokens; this model's context is {limit} tokens "
-                "(max_model_len), which leaves no room to generate",
-                "prompt",
-            )
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = min(self.config.default_max_tokens, limit - n)
-            if params.min_tokens > max_tokens:
-                raise RequestRejected(
-                    f"min_tokens must be <= max_tokens, got {params.min_tokens}; a request "
-                    f"without max_tokens generates at most {max_tokens} tokens here "
-                    f"(--default-max-tokens {self.config.default_max_tokens}, or what the "
-                    f"{limit}-token context leaves after the {n}-token prompt)",
-                    "min_tokens",
-                )
-        if n + max_tokens > limit:
-            raise RequestRejected(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens, more "
-                f"than the context of {limit} tokens (max_model_len)",
-                "max_tokens",
-            )
-        if params.structured_outputs is not None:
-            try:  # cached: a server compiles it in a worker thread before it queues the request
-                self.grammars.compile(params.structured_outputs)
-            except GrammarError as e:
-                raise RequestRejected(str(e), e.param) from None
-        bs = self.config.block_size
-        needed = cdiv(n + max_tokens, bs)
-        if needed > self.num_blocks:
-            raise RequestRejected(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "
-                f"{bs} tokens; the whole pool has {self.num_blocks}",
-                "max_tokens",
-            )
-        return max_tokens
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is (waiting or running) and free its blocks."""
@@ -336,7 +296,9 @@ class Engine:
                     f"({self.kv_cache_manager.num_free_blocks} of {self.num_blocks} KV blocks free)"
                 )
             return []
-        logits, scored = self.executor.call("execute", self.runner.prepare(batch))
+        logits, scored = self.executor.call(
+            "execute", self.runner.prepare([s.chunk() for s in batch])
+        )
         for index, entries in scored.items():
             prompt_logprobs = batch[index].request.prompt_logprobs
             assert prompt_logprobs is not None
@@ -360,7 +322,7 @@ class Engine:
             touched[request.group_id] = self._groups[request.group_id]
             item_samples = samples[first : first + len(item.draft) + 1]
             first += len(item_samples)
-            if request.max_tokens == 0:  # scoring only: the prompt is computed, nothing more
+            if request.output_limit == 0:  # scoring only: the prompt is computed, nothing more
                 request.finish("length")
             elif item.verifies:
                 self._verify(item, [s.token_id for s in item_samples], item_samples, now)
@@ -430,7 +392,7 @@ class Engine:
         if request.matcher is not None and request.matcher.is_stopped():
             request.finish("stop")  # the grammar is complete: nothing may follow
         elif (
-            request.num_output_tokens >= request.max_tokens
+            request.num_output_tokens >= request.output_limit
             or request.num_tokens >= self.max_model_len
         ):
             request.finish("length")

@@ -4,40 +4,34 @@ attending to the cache up to itself, so that each position's logits are those a 
 step at that position computes (the decode kernels are batch invariant). Eager steps, CUDA-graph
 steps (padded to a captured size and table width) and the memory profile (one dummy prefill) all
 come through `pack`. Under tensor parallelism the packed inputs travel to the other ranks as one
-message (engine/channel.py). Owns nothing.
+message (engine/parallel/channel.py). Owns nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from nanoserve.engine.kv_cache import cdiv, slot
-from nanoserve.model.attention import AttentionMetadata, PrefillChunk
+from nanoserve.model import AttentionMetadata, PrefillChunk
 
 
-class Chunk(Protocol):
-    """What the packer reads of a scheduled request (ScheduledRequest has these)."""
+@dataclass(frozen=True)
+class Chunk:
+    """What the packer reads of a sequence's part of a step: `num_new_tokens` of its `token_ids`
+    from position `start` on (the scheduler's ScheduledRequest.chunk(), a draft model's step, the
+    dummy prompts CUDA sizes its pool by)."""
 
-    @property
-    def token_ids(self) -> Sequence[int]: ...
-    @property
-    def start(self) -> int: ...  # tokens already in the cache
-    @property
-    def num_new_tokens(self) -> int: ...
-    @property
-    def block_table(self) -> Sequence[int]: ...
-    @property
-    def samples(self) -> bool: ...  # the chunk ends at the sequence's last token
-    @property
-    def prompt_logprob_positions(self) -> range: ...  # positions whose logits score the prompt
-    @property
-    def prompt_logprobs(self) -> int: ...  # alternatives wanted at each prompt position
-    @property
-    def verifies(self) -> bool: ...  # decode rows whose every position's logits are wanted
+    token_ids: Sequence[int]
+    start: int  # tokens already in the cache
+    num_new_tokens: int
+    block_table: Sequence[int]
+    samples: bool = True  # the chunk ends at the sequence's last token
+    prompt_logprob_positions: range = range(0)  # positions whose logits score the prompt
+    prompt_logprobs: int = 0  # alternatives wanted at each prompt position
+    verifies: bool = False  # decode rows whose every position's logits are wanted
 
 
 @dataclass(frozen=True)

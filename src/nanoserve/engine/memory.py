@@ -21,7 +21,7 @@ from pathlib import Path
 
 from nanoserve import env
 from nanoserve.config import EngineConfig, SettingError
-from nanoserve.model.config import ModelConfig
+from nanoserve.model import ModelConfig
 
 GiB = 2**30
 MiB = 2**20

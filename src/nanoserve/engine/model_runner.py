@@ -1,21 +1,20 @@
-"""Runs the model for the engine: owns the weights on their device, the KV cache tensors and the
-CUDA graphs of decode steps. Chooses where the weights live (CPU: one huge-page mapping), packs
-each scheduled batch into tensors (`prepare`, engine/inputs.py) and runs them (`execute`), which
-composes the model's pieces and takes a fast path by a plain `if`: a CPU decode step of up to 4
-rows in one C call, a CUDA decode step replayed from its graph. Returns the logits of the rows that
-sample. On CUDA the pool is sized from free memory after a warm-up forward through the same
-path; on a CPU from kv_cache_memory_gb, allocated unwritten, then written (`take_kv_cache`) once
-the engine has checked that it fits (engine/memory.py).
+"""Runs the model for the engine: owns the model (loaded by nanoserve.model, which decides where
+the weights live and in what format), the KV cache tensors and the CUDA graphs of decode steps.
+Packs each scheduled batch into tensors (`prepare`, engine/inputs.py) and runs them (`execute`),
+which composes the model's pieces and takes a fast path by a plain `if`: a CPU decode step of up
+to 4 rows in one C call, a CUDA decode step replayed from its graph. Returns the logits of the
+rows that sample. On CUDA the pool is sized from free memory after a warm-up forward through the
+same path; on a CPU from kv_cache_memory_gb, allocated unwritten, then written (`take_kv_cache`)
+once the engine has checked that it fits (engine/memory.py).
 Under tensor parallelism every rank has a runner holding its slices and its heads' cache, and runs
-the same `execute` on the inputs rank 0 prepared (engine/executor.py); only rank 0's results mean
+the same `execute` on the inputs rank 0 prepared (parallel/executor.py); only rank 0's results mean
 anything.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
 
 import torch
 
@@ -24,16 +23,17 @@ from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.inputs import Chunk, PromptScoring, StepInputs, pack
 from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv, take_cache
 from nanoserve.engine.sampling import Logprob, token_logprobs
-from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS
-from nanoserve.model import hugepages
-from nanoserve.model.checkpoint import Checkpoint
-from nanoserve.model.cpu_step import CpuDecodeStep, not_in_c
-from nanoserve.model.linear import onednn_packs
-from nanoserve.model.llama import KVCaches, Llama
-from nanoserve.model.loader import LlamaWeights, load_weights
-from nanoserve.model.parallel import SINGLE, Parallel
-from nanoserve.model.quantized import Blocks, formats, quantize_matrices
-from nanoserve.model.weights import matrices
+from nanoserve.model import (
+    SINGLE,
+    Checkpoint,
+    CpuDecodeStep,
+    KVCaches,
+    Parallel,
+    decode_step,
+    held_bytes,
+    invariant_rows,
+    load_model,
+)
 
 log = logging.getLogger(__name__)
 TokenLogprobs = dict[int, Logprob]
@@ -61,16 +61,10 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         self._baseline = torch.cuda.memory_allocated(self.device) if on_cuda else 0
         positions = config.max_model_len or mc.max_position_embeddings
-        self.model = Llama(mc, self._load(checkpoint), positions, parallel)
-        self.model_bytes = _held_bytes(self.model)  # weights, packed copies, RoPE tables
+        self.model = load_model(checkpoint, config, self.device, parallel, positions)
+        self.model_bytes = held_bytes(self.model)  # weights, packed copies, RoPE tables
         self._positions = positions
-        layers = self.model.weights.layers
-        # Not with tensor parallelism: the one-call C step cannot stop mid-step to all-reduce.
-        self.cpu_step: CpuDecodeStep | None = None
-        if not on_cuda and parallel.size == 1 and CpuDecodeStep.supported(layers, mc):
-            self.cpu_step = CpuDecodeStep(layers, mc)
-        elif not on_cuda and parallel.size == 1 and not_in_c(layers):
-            log.info("decode: layer by layer (the one-call C step: %s)", not_in_c(layers))
+        self.cpu_step: CpuDecodeStep | None = decode_step(self.model, self.device, parallel)
         self.block_bytes = block_bytes(
             mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size,
             config.torch_dtype,
@@ -88,29 +82,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(config, self.max_model_len, self.device)
             if config.cuda_graphs:
                 self._capture(self.graphs)
-
-    def _load(self, checkpoint: Checkpoint) -> LlamaWeights:
-        """This rank's weights on its device. Under tensor parallelism the checkpoint is read into
-        host memory and cut there, so that a device holds only its slices. On a CPU, in one
-        process and in float32, matrices may stay in GGUF blocks: a GGUF's own (unless
-        quantization="none"), or a float checkpoint's quantized at load (quantization="q8_0"...)."""
-        c, whole = self.config, self.parallel.size == 1
-        blocks = whole and self.device.type == "cpu" and c.dtype == "float32"
-        if c.quantization not in ("auto", "none") and not blocks:
-            raise ValueError(
-                f"quantization={c.quantization!r} needs dtype float32 on a CPU in one process "
-                f"(here dtype {c.dtype}, device {self.device}, {self.parallel.size} processes)"
-            )
-        keep = blocks and c.quantization != "none"
-        raw = checkpoint.read_tensors(c.torch_dtype, self.device if whole else "cpu", keep)
-        if c.quantization not in ("auto", "none"):
-            raw = quantize_matrices(raw, c.quantization)  # type: ignore[arg-type]
-        place = _to(self.device) if not whole else None
-        if self.device.type == "cpu":
-            place = hugepages.pack
-        weights = load_weights(raw, checkpoint.config, place, self.parallel)
-        log.info("weights: %s", _describe(weights, c.dtype))
-        return weights
 
     def prepare(self, batch: Sequence[Chunk]) -> StepInputs:
         """The tensors of a scheduled batch's forward pass; a decode batch that CUDA graphs take
@@ -157,19 +128,10 @@ class ModelRunner:
     @property
     def invariant_rows(self) -> int | None:
         """The most decode rows of a step whose each row's logits do not depend on the others',
-        so that a speculative verification's rows are bitwise one-token decode steps: any number
-        (None) where every matrix is in GGUF blocks, whose matmul takes each row on its own (the
+        so that a speculative verification's rows are bitwise one-token decode steps (the
         one-call C step and the layer-by-layer path agree bitwise, so the path does not matter
-        either); else, on a CPU, the C GEMV's 4 (oneDNN, which takes more rows, is not row
-        invariant). On CUDA no matmul is row invariant at any size: None, and greedy output is as
-        batch invariant as the argmax of cuBLAS's rows."""
-        if self.device.type == "cuda":
-            return None
-        ms = [m for layer in self.model.weights.layers for m in matrices(layer)]
-        ms.append(self.model.weights.lm_head)
-        if all(isinstance(m.weight, Blocks) for m in ms):
-            return None
-        return SMALL_LINEAR_MAX_ROWS
+        either): the model's (nanoserve.model.invariant_rows)."""
+        return invariant_rows(self.model, self.device)
 
     @property
     def verify_rows(self) -> int | None:
@@ -276,98 +238,13 @@ class ModelRunner:
         return int(budget // self.block_bytes)
 
 
-def _held_bytes(model: Llama) -> int:
-    """Bytes the model's tensors hold: each storage once (a huge-page arena is one), and oneDNN's
-    packed matrices (opaque tensors, without a storage to ask)."""
-    sizes: dict[int, int] = {}
-    for t in _tensors(vars(model), set()):
-        if t.is_mkldnn:
-            sizes[id(t)] = t.numel() * t.element_size()
-        else:
-            storage = t.untyped_storage()
-            sizes[storage.data_ptr()] = storage.nbytes()
-    return sum(sizes.values())
-
-
-def _tensors(obj: object, seen: set[int]) -> Iterator[torch.Tensor]:
-    """The tensors reachable from `obj` through dicts, lists, tuples and objects' attributes."""
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value, seen)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            yield from _tensors(value, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        yield from _tensors(vars(obj), seen)
-
-
-def largest_step(tokens: int, positions: int, block_size: int) -> list[_Prefill]:
+def largest_step(tokens: int, positions: int, block_size: int) -> list[Chunk]:
     """Prompts of dummy tokens, `tokens` in all, none longer than `positions`, each in blocks of
     its own (numbered from 0): the largest prefill step an engine can be given."""
     longest = positions // block_size * block_size or positions
     dummies, used, blocks = [], 0, 0
     while used < tokens:
         n = min(longest, tokens - used)
-        dummies.append(_Prefill([0] * n, list(range(blocks, blocks + cdiv(n, block_size)))))
+        dummies.append(Chunk([0] * n, 0, n, list(range(blocks, blocks + cdiv(n, block_size)))))
         used, blocks = used + n, blocks + cdiv(n, block_size)
     return dummies
-
-
-def _to(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    def place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        copies = {id(t): t.to(device) for t in tensors}  # a tied matrix stays one copy
-        return [copies[id(t)] for t in tensors]
-
-    return place
-
-
-def resolve_dtype(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
-    """dtype "auto": the fastest correct dtype for the device. CUDA: bfloat16. CPU: float32 when
-    the weights are (or will be) GGUF blocks, whose kernels take float32 activations; else
-    bfloat16 where oneDNN multiplies it natively (AVX-512 BF16, AMX), float32 elsewhere (an
-    emulated bfloat16 matmul is slower than float32)."""
-    if config.dtype != "auto":
-        return config
-    if config.device.startswith("cuda"):
-        dtype, why = "bfloat16", "a GPU"
-    elif config.quantization not in ("auto", "none") or (
-        config.quantization == "auto" and checkpoint.block_formats()
-    ):
-        dtype, why = "float32", "weights in GGUF blocks take float32 activations"
-    elif onednn_packs(torch.bfloat16):
-        dtype, why = "bfloat16", "this CPU multiplies bfloat16 natively"
-    else:
-        dtype, why = "float32", "this CPU has no native bfloat16 matmul"
-    log.info("dtype auto: %s (%s)", dtype, why)
-    return replace(config, dtype=dtype)
-
-
-def _describe(weights: LlamaWeights, dtype: str) -> str:
-    """How the matrices are kept, e.g. '120 matrices in q4_1 blocks, 1 in q8_0 blocks'."""
-    layers = weights.layers
-    matrices = [m.weight for x in layers for m in (x.qkv, x.o, x.gate_up, x.down)]
-    counts = formats([*matrices, weights.lm_head.weight])
-    parts = [f"{n} in {k} blocks" if k != "float" else f"{n} in {dtype}" for k, n in counts.items()]
-    return f"{sum(counts.values())} matrices: " + ", ".join(parts)
-
-
-@dataclass
-class _Prefill:
-    """A whole prompt of dummy tokens, as the packer sees a scheduled request."""
-
-    token_ids: list[int]
-    block_table: list[int]
-    start: int = 0
-    samples: bool = True
-    prompt_logprob_positions: range = range(0)
-    prompt_logprobs: int = 0
-    verifies: bool = False
-    num_new_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_new_tokens = len(self.token_ids)

@@ -29,7 +29,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    max_tokens: int
+    output_limit: int  # the most tokens it may generate: params.max_tokens, or its default
     detokenizer: IncrementalDetokenizer
     status: Status = Status.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt, then output

@@ -12,7 +12,7 @@ requests of a group (n > 1) wait while its first one computes their shared promp
 scores it: the group's outputs carry the prompt's logprobs, which must be whole. A request
 that cannot get its next block preempts the most recently admitted one, whose blocks are freed
 and whose tokens are recomputed when it is admitted again. With speculative decoding a decode
-also takes the slots of its draft (engine/spec_decode.py) when they fit without preempting
+also takes the slots of its draft (engine/spec/ngram.py) when they fit without preempting
 anyone; after the step the engine gives back the rejected ones (`after_verify`). Blocks are the
 KV cache manager's (engine/kv_manager.py): the scheduler asks it for them and never sees the
 block pool.
@@ -26,12 +26,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from nanoserve.engine.inputs import Chunk
 from nanoserve.engine.kv_manager import ComputedBlocks, KVCacheManager
 from nanoserve.engine.request import Request, Status
 
 
 class Proposer(Protocol):
-    """Drafts for decoding requests (engine/spec_decode.py, engine/draft_model.py). `room`: the
+    """Drafts for decoding requests (engine/spec/ngram.py, engine/spec/draft_model.py). `room`: the
     most draft tokens the request may take; `propose(request, room)`: a draft of at most
     `room` tokens. A proposer that `writes_cache` (a draft model's keys and values) proposes
     after the scheduler reserved the request's slots for its token and `room` draft tokens,
@@ -63,21 +64,17 @@ class ScheduledRequest:
         return bool(self.draft)
 
     @property
-    def block_table(self) -> list[int]:
-        return self.request.block_table
-
-    @property
     def samples(self) -> bool:
         """The chunk reaches the request's last token: its logits give the next one."""
         return self.start + self.num_new_tokens == self.request.num_tokens + len(self.draft)
 
-    @property
-    def prompt_logprob_positions(self) -> range:
-        return self.request.prompt_logprob_positions(self.start, self.num_new_tokens)
-
-    @property
-    def prompt_logprobs(self) -> int:
-        return self.request.params.prompt_logprobs or 0
+    def chunk(self) -> Chunk:
+        """What the packer reads of it."""
+        return Chunk(
+            self.token_ids, self.start, self.num_new_tokens, self.request.block_table,
+            self.samples, self.request.prompt_logprob_positions(self.start, self.num_new_tokens),
+            self.request.params.prompt_logprobs or 0, self.verifies,
+        )  # fmt: skip
 
 
 @dataclass
@@ -125,7 +122,7 @@ class Scheduler:
     # of other groups are running or waiting: each is a row of vocabulary-wide logits, and the
     # steps of those others should not grow with the length of the prompt being scored.
     scoring_turn: int = 256
-    # Speculative decoding: a draft for a decoding request (engine/spec_decode.py), or None.
+    # Speculative decoding: a draft for a decoding request (engine/spec/ngram.py), or None.
     proposer: Proposer | None = None
     # The most decode rows (decodes and drafts) of a step with drafts: the rows whose results
     # do not depend on how many there are, within the one-call C step (model_runner's

@@ -2,11 +2,11 @@
 JSON schema has an instance at all (a `$ref` cycle with no way out has none). Every refusal is
 a GrammarError naming the request field and the limit. Owns nothing.
 
-The limits bound what the grammar compiler is given, not only what it may take long on: a Lark
-grammar of 3,000 chained rules overflowed an 8 MiB stack (1,000 took 0.11 s), 5,000 optional
-properties of one object took 6.9 s to compile (1,000: about 0.3 s), 100,000 choices made the
-compiler panic after 11.8 s (4,000: 0.11 s). Whatever passes them is still compiled in a child
-process under a time limit (checker.py).
+The limits bound what the grammar compiler is given, not only what it may take long on: past
+them a chain of grammar rules overflows its stack, and an object's optional properties or a list
+of choices take seconds to compile or make it panic (README's "Structured outputs and tool
+calls" has the sizes measured). Whatever passes them is still compiled in a child process under
+a time limit (checker.py).
 """
 
 from __future__ import annotations

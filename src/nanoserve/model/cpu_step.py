@@ -1,5 +1,5 @@
 """Every decoder layer of a CPU decode step of up to 4 rows in one C call (up to 16 where every
-matrix is in GGUF blocks: a speculative verification's rows; see engine/spec_decode.py).
+matrix is in GGUF blocks: a speculative verification's rows; see engine/spec/ngram.py).
 
 The layer-by-layer path makes about 25 Python calls per layer; at batch 1, where a step is a few
 milliseconds of weight reading, their overhead is a sizeable share of it. The C step

@@ -288,7 +288,7 @@ def _build_index(path: Path) -> tuple[dict[str, Any], Tokenizer]:
     except UnsupportedTokenizer as e:
         raise GGUFError(f"{path.name}: {e}") from None
     # The vocabulary's pieces are the file's tokens (the added ones among them): the longest
-    # bounds a token's characters without listing the built vocabulary (20 ms for 49k tokens).
+    # bounds a token's characters without listing the built vocabulary.
     longest = max(map(len, meta["tokenizer.ggml.tokens"]), default=1)
     built = Tokenizer(tok, config, template, longest)
     index = {

@@ -1,15 +1,14 @@
 """A GGUF file's header in one pass: its metadata (key -> value, as gguf's `field.contents()`
 gives it) and its tensor table.
 
-gguf.GGUFReader builds a numpy view for every item of every array, so a 49,152-token
-vocabulary with its merges took 8.4 s of a 9.6 s first load (cProfile; later loads read
-nanoserve's index cache, 0.4 s). Here strings are sliced from a memory map and number arrays
-read with one np.frombuffer each. The layout (GGUF versions 2 and 3, little-endian): the magic
-"GGUF", the version (u32), the tensor and key counts (u64), the keys (a string, a value type
-(u32), the value), the tensor infos (a name, the dimension count (u32), the dimensions (u64 each,
-innermost first), the type (u32), the offset (u64) from the data section, which starts at the
-next multiple of general.alignment (32 when absent)). A string is its length (u64) and its bytes.
-ValueError for anything else, or a file that ends early.
+gguf.GGUFReader builds a numpy view for every item of every array, and a vocabulary with its merges
+has hundreds of thousands of items; here strings are sliced from a memory map and number arrays read
+with one np.frombuffer each. The layout (GGUF versions 2 and 3, little-endian): the magic "GGUF",
+the version (u32), the tensor and key counts (u64), the keys (a string, a value type (u32), the
+value), the tensor infos (a name, the dimension count (u32), the dimensions (u64 each, innermost
+first), the type (u32), the offset (u64) from the data section, which starts at the next multiple of
+general.alignment (32 when absent)). A string is its length (u64) and its bytes. ValueError for
+anything else, or a file that ends early.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class _Cursor:
 
     def strings(self, count: int) -> list[str]:
         """`count` strings, each its length (u64) and its bytes, in one loop of local names (a
-        vocabulary is 49k-256k of them: 50 -> 32 ms for SmolLM2's tokens and merges)."""
+        vocabulary is 49k-256k of them, so the per-string cost is what counts)."""
         data, pos, end = self.data, self.pos, len(self.data)
         out: list[str] = []
         length, append = _U64.unpack_from, out.append

@@ -53,6 +53,7 @@ def create_app(
     app.add_url_rule("/v1/chat/completions", view_func=api.chat_completions, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=api.models, methods=["GET"])
     app.add_url_rule("/v1/models/<model_id:model_id>", view_func=api.model, methods=["GET"])
+    app.add_url_rule("/version", view_func=api.version, methods=["GET"])
     app.add_url_rule("/tokenize", view_func=api.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=api.detokenize, methods=["POST"])
     app.add_url_rule("/tokenizer_info", view_func=api.tokenizer_info, methods=["GET"])

@@ -1,8 +1,10 @@
 """The Trio bridge between HTTP handlers and the synchronous Engine: the handlers' side.
 
-Handlers never touch the Engine. `Serving.generate` checks a request against the engine's fixed
-limits, puts it in the inbox (a Trio memory channel) of the engine task (engine_task.py, the
-Engine's one owner, started in the app's nursery through `Serving.run`) and reads its deliveries;
+Handlers never touch the Engine. `Serving.admit` checks a request's prompts against the engine's
+fixed limits (engine/admission.py: the one check, its constraint compiled once, in a worker
+thread); `Serving.generate` puts an admitted prompt in the inbox (a Trio memory channel) of the
+engine task (engine_task.py, the Engine's one owner, started in the app's nursery through
+`Serving.run`) and reads its deliveries;
 leaving early, for any reason, queues an abort. The engine's fixed facts (`tokenizer`,
 `max_model_len`) are handed to the server here, at start-up. Owns the handlers' count of the
 requests they have open.
@@ -19,7 +21,7 @@ from dataclasses import asdict
 
 import trio
 
-from nanoserve.engine import Engine, RequestOutput, SamplingParams
+from nanoserve.engine import Admitted, Engine, RequestOutput, SamplingParams
 from nanoserve.server.engine_task import (
     Abort,
     Arrival,
@@ -52,7 +54,8 @@ class Serving:
         self.metrics.on_start(
             engine.config.block_size, engine.num_blocks, engine.config.dtype, engine.kv_cache_bytes
         )
-        self._check_request = engine.check_request  # reads fixed settings only
+        self._admit = engine.admit  # reads fixed settings only: any thread may call it
+        self._compile = engine.compile_constraint  # thread-safe; milliseconds to seconds
         self._send, inbox = trio.open_memory_channel[Arrival | Abort](math.inf)
         self.task = EngineTask(engine, inbox, self.metrics)
         self.run = self.task.run  # the engine task, for the app's nursery
@@ -74,16 +77,25 @@ class Serving:
         """Requests not yet running: in the inbox, waiting their turn, or in the engine's queue."""
         return self._sent - self.task.received + self.task.stats.waiting
 
+    async def admit(self, prompts: list[list[int]], params: SamplingParams) -> list[Admitted]:
+        """The prompts of one HTTP request checked (RequestRejected, naming the field, before any
+        is queued); their constraint compiled once, in a worker thread (cached by constraint)."""
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = await trio.to_thread.run_sync(self._compile, params, thread_name="grammar")
+        return [self._admit(prompt, params, grammar) for prompt in prompts]
+
     @asynccontextmanager
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
+        self, admitted: Admitted, group: str | None = None
     ) -> AsyncIterator[AsyncIterator[RequestOutput]]:
-        """Submit a request and iterate over its outputs (cumulative snapshots, the last one
-        finished). Refusals raise here, before anything is queued. Leaving the block before the
-        request finished (a disconnect cancels the handler) aborts it at the next step. The
-        prompts of one HTTP request share a `group`: they take turns with other requests."""
+        """Submit an admitted request and iterate over its outputs (cumulative snapshots, the
+        last one finished). A full queue or a dead engine raises here, before anything is
+        queued. Leaving the block before the request finished (a disconnect cancels the handler)
+        aborts it at the next step. The prompts of one HTTP request share a `group`: they take
+        turns with other requests."""
         request_id = str(next(self._ids))
-        delivery = self._submit(request_id, prompt_token_ids, params, group or request_id)
+        delivery = self._submit(request_id, admitted, group or request_id)
         self._open += 1
         try:
             yield delivery.outputs()
@@ -93,19 +105,15 @@ class Serving:
                 # Synchronous: an await here would raise at once inside a cancelled scope.
                 self._send.send_nowait(Abort(request_id))
 
-    def _submit(
-        self, request_id: str, prompt: list[int], params: SamplingParams, group: str
-    ) -> Delivery:
+    def _submit(self, request_id: str, admitted: Admitted, group: str) -> Delivery:
         if self.dead is not None:
             raise EngineDead(f"the engine has stopped: {self.dead}")
-        self._check_request(prompt, params)
         if self.max_queue is not None and self.num_waiting >= self.max_queue:
             raise Overloaded(
                 f"{self.num_waiting} requests are waiting (max queue {self.max_queue})"
             )
         delivery = Delivery()
-        self._send.send_nowait(Arrival(request_id, prompt, params, delivery, time.monotonic(),
-                                       group))  # fmt: skip
+        self._send.send_nowait(Arrival(request_id, admitted, delivery, time.monotonic(), group))
         self._sent += 1  # counted now: a burst sees its own queue before the next turn
         return delivery
 

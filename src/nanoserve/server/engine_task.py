@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from nanoserve.engine import Engine, RequestOutput, SamplingParams
+from nanoserve.engine import Admitted, Engine, RequestOutput
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.stats import ServingStats
 
@@ -78,8 +78,7 @@ class Delivery:
 @dataclass(frozen=True)
 class Arrival:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    admitted: Admitted  # checked by the handler (engine/admission.py): added as it is
     delivery: Delivery
     arrival_time: float  # when the handler submitted it: queueing includes the inbox
     group: str  # the HTTP request it is one prompt of: admission is fair between groups
@@ -189,17 +188,17 @@ class EngineTask:
             self._num_queued -= 1
             try:
                 self.engine.add_request(
-                    arrival.request_id, arrival.prompt_token_ids, arrival.params,
-                    arrival.arrival_time,
-                )  # fmt: skip
+                    arrival.request_id, arrival.admitted, arrival_time=arrival.arrival_time
+                )
             except Exception as e:  # a rejected arrival fails only its own caller
                 del self._open[arrival.request_id]
                 arrival.delivery.fail(e)
                 continue
-            self.metrics.on_arrival(len(arrival.prompt_token_ids))
-            room -= arrival.params.n
-            self._rows[group] = self._rows.get(group, 0) + arrival.params.n
-            self._admitted[arrival.request_id] = (group, arrival.params.n)
+            n = arrival.admitted.params.n
+            self.metrics.on_arrival(len(arrival.admitted.token_ids))
+            room -= n
+            self._rows[group] = self._rows.get(group, 0) + n
+            self._admitted[arrival.request_id] = (group, n)
         self._publish()
 
     def _release(self, request_id: str) -> None:

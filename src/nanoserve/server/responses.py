@@ -51,6 +51,18 @@ class ResponseFormat:
         self.sent_text: dict[int, str] = {}
         self.sent_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
+        self.token_name = tokenizer.token_text  # how logprobs name a token
+
+    def name_tokens_by_id(self) -> None:
+        """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N", which a
+        client can map back even where a token's text is not valid UTF-8 on its own."""
+        self.token_name = _by_id
+
+    def _vllm_entries(self, entry: dict[int, Logprob]) -> dict[int, PromptLogprob]:
+        return {
+            k: PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=self.token_name(k))
+            for k, v in entry.items()
+        }
 
     def opening(self, num_prompts: int) -> list[BaseModel]:
         return []
@@ -189,7 +201,7 @@ class CompletionFormat(ResponseFormat):
             offsets.append(at)
             at += 0 if t in self.tok.all_special_ids else len(self.tok.token_text(t))
         return CompletionLogprobs(
-            tokens=[self.tok.token_text(t) for t in ids],
+            tokens=[self.token_name(t) for t in ids],
             token_logprobs=[None if e is None else e[t].logprob for t, e in pairs],
             top_logprobs=[None if e is None else self._top(t, e, top_n) for t, e in pairs],
             text_offset=offsets,
@@ -198,30 +210,22 @@ class CompletionFormat(ResponseFormat):
     def _top(self, token: int, entry: dict[int, Logprob], top_n: int) -> dict[str, float]:
         """The prompt token and the `top_n` most likely ones at its position."""
         chosen = {k: v for k, v in entry.items() if k == token or v.rank <= top_n}
-        return {self.tok.token_text(k): v.logprob for k, v in chosen.items()}
-
-    def _vllm_entries(self, entry: dict[int, Logprob]) -> dict[int, PromptLogprob]:
-        return {
-            k: PromptLogprob(logprob=v.logprob, rank=v.rank, decoded_token=self.tok.token_text(k))
-            for k, v in entry.items()
-        }
+        return {self.token_name(k): v.logprob for k, v in chosen.items()}
 
     def _logprobs(self, index: int, c: CompletionOutput, start: int) -> CompletionLogprobs | None:
         if c.logprobs is None:
             return None
         ids, entries = c.token_ids[start:], c.logprobs[start:]
-        tokens = [self.tok.token_text(t) for t in ids]
+        tokens = [self.token_name(t) for t in ids]
         offsets, at = [], self.offsets.get(index, 0)
-        for token in tokens:
+        for t in ids:
             offsets.append(at)
-            at += len(token)
+            at += len(self.tok.token_text(t))
         self.offsets[index] = at
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[e[t].logprob for t, e in zip(ids, entries, strict=False)],
-            top_logprobs=[
-                {self.tok.token_text(k): v.logprob for k, v in e.items()} for e in entries
-            ],
+            top_logprobs=[{self.token_name(k): v.logprob for k, v in e.items()} for e in entries],
             text_offset=offsets,
         )
 
@@ -275,6 +279,7 @@ class ChatFormat(ResponseFormat):
         super().__init__(tokenizer, request_id, model, params)
         self.tools = tools
         self.calls: dict[int, _Calls] = {}
+        self.prompt_logprobs = params.prompt_logprobs is not None  # vLLM's, unary only
 
     def opening(self, num_prompts: int) -> list[BaseModel]:
         return [
@@ -376,9 +381,13 @@ class ChatFormat(ResponseFormat):
                 )
             )
         usage = self.usage(sum(len(c.token_ids) for c in out.outputs))
+        scored = None
+        if self.prompt_logprobs and out.prompt_logprobs is not None:
+            scored = [None if e is None else self._vllm_entries(e) for e in out.prompt_logprobs]
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
+            prompt_logprobs=scored,
+        )  # fmt: skip
 
     def usage_chunk(self) -> BaseModel:
         return self._chunk([], self.streamed_usage())
@@ -405,10 +414,14 @@ class ChatFormat(ResponseFormat):
 
     def _top(self, token_id: int, lp: Logprob) -> TopLogprob:
         return TopLogprob(
-            token=self.tok.token_text(token_id),
+            token=self.token_name(token_id),
             logprob=lp.logprob,
             bytes=list(self.tok.token_bytes(token_id)),
         )
+
+
+def _by_id(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _finish(c: CompletionOutput, called: bool) -> str | None:

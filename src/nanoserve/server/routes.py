@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 from functools import partial
+from importlib import metadata
 from typing import Any
 
 import trio
@@ -24,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from quart import Response, g, request
 
-from nanoserve.engine import GrammarError, RequestOutput, SamplingParams, StructuredOutputsParams
+from nanoserve.engine import RequestOutput, SamplingParams
 from nanoserve.server.access import AccessRecord, printable
 from nanoserve.server.bridge import Serving
 from nanoserve.server.errors import ModelNotFound, error_info, error_response, too_large
@@ -37,6 +38,7 @@ from nanoserve.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    Version,
     message_dicts,
     parse,
 )
@@ -64,6 +66,7 @@ class OpenAIServer:
         self.tokenizer = serving.tokenizer
         self.model_name = model_name
         self.model_names = {model_name, *aliases}  # what a request may call the model
+        self.root = next(iter(aliases), model_name)  # the path it was loaded from, as given
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -112,14 +115,15 @@ class OpenAIServer:
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
-        constraint = await self._compile(req.constraint())
         params = req.sampling_params(
-            req.max_tokens, req.logprobs, req.num_prompt_logprobs, constraint
+            req.max_tokens, req.logprobs, req.num_prompt_logprobs, req.constraint()
         )
         fmt = CompletionFormat(
             self.tokenizer, f"cmpl-{uuid.uuid4().hex}", self.model_name, params, echo,
             prompt_logprobs=req.prompt_logprobs is not None,
         )  # fmt: skip
+        if req.return_tokens_as_token_ids:
+            fmt.name_tokens_by_id()
         return await self._respond(fmt, req.stream, _usage(req), token_ids, params)
 
     async def chat_completions(self) -> Response:
@@ -135,7 +139,9 @@ class OpenAIServer:
         if offered or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
             messages, variables = render_history(messages, offered, native, syntax)
             kwargs = {**kwargs, **variables}
-        token_ids = await self._encode_chat(messages, req.add_generation_prompt, kwargs)
+        token_ids = await self._encode_chat(
+            messages, req.add_generation_prompt, kwargs, req.continue_final_message
+        )
         constraint = req.constraint()
         required = req.required_tools()
         if offered and constraint is not None and req.tool_choice != "none":
@@ -154,8 +160,9 @@ class OpenAIServer:
         if required:  # a named function is called once; "required" may call several
             named = req.tool_choice != "required"
             constraint = syntax.grammar(required, req.parallel_tool_calls and not named, open_id)
-        constraint = await self._compile(constraint)
-        params = req.sampling_params(req.completion_limit, req.num_logprobs, None, constraint)
+        params = req.sampling_params(
+            req.completion_limit, req.num_logprobs, req.prompt_logprobs, constraint
+        )
         if offered and syntax.special:  # the calls start with a control token: keep it in text
             params.skip_special_tokens = False
         tools = None
@@ -164,6 +171,8 @@ class OpenAIServer:
         fmt = ChatFormat(
             self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, tools
         )
+        if req.return_tokens_as_token_ids:
+            fmt.name_tokens_by_id()
         return await self._respond(fmt, req.stream, _usage(req), [token_ids], params)
 
     async def models(self) -> Response:
@@ -176,8 +185,13 @@ class OpenAIServer:
 
     def _card(self) -> ModelCard:
         return ModelCard(
-            id=self.model_name, created=self.created, max_model_len=self.serving.max_model_len
-        )
+            id=self.model_name, created=self.created, max_model_len=self.serving.max_model_len,
+            root=self.root,
+        )  # fmt: skip
+
+    async def version(self) -> Response:
+        """vLLM's /version: this server's version."""
+        return _json(Version(version=metadata.version("nanoserve")))
 
     async def tokenize(self) -> Response:
         """vLLM's /tokenize (lm-eval's remote tokenizer uses it)."""
@@ -185,7 +199,9 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.messages is not None:
             messages = message_dicts(req.messages)
-            tokens = await self._encode_chat(messages, req.add_generation_prompt, {})
+            tokens = await self._encode_chat(
+                messages, req.add_generation_prompt, {}, req.continue_final_message
+            )
         else:
             tokens = await self._encode(req.prompt or "", req.add_special_tokens)
         body = {
@@ -317,10 +333,10 @@ class OpenAIServer:
     async def _submit(
         self, stack: AsyncExitStack, prompts: list[list[int]], params: SamplingParams
     ) -> list[AsyncIterator[RequestOutput]]:
+        admitted = await self.serving.admit(prompts, params)  # every prompt checked first
         group = uuid.uuid4().hex  # this HTTP request's prompts take their turns together
         return [
-            await stack.enter_async_context(self.serving.generate(token_ids, params, group))
-            for token_ids in prompts
+            await stack.enter_async_context(self.serving.generate(one, group)) for one in admitted
         ]
 
     def _check_length(self, chars: int, param: str) -> None:
@@ -346,36 +362,31 @@ class OpenAIServer:
             return encode()
         return await trio.to_thread.run_sync(encode, thread_name="tokenize")
 
-    async def _compile(
-        self, constraint: StructuredOutputsParams | None
-    ) -> StructuredOutputsParams | None:
-        """Check a constraint before the request is queued, in a worker thread (a schema takes
-        milliseconds, the first one a second or two); the engine then finds it compiled."""
-        if constraint is None:
-            return None
-        try:
-            await trio.to_thread.run_sync(
-                self.serving.grammars.compile, constraint, thread_name="grammar"
-            )
-        except GrammarError as e:
-            raise InvalidRequest(str(e), e.param) from None
-        return constraint
-
     async def _encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+        continue_final: bool = False,
     ) -> list[int]:
         chars = sum(len(m["content"]) for m in messages)  # at least: the template adds more
         self._check_length(chars, "messages")
-        render = partial(self._render_chat, messages, add_generation_prompt, kwargs)
+        render = partial(self._render_chat, messages, add_generation_prompt, kwargs, continue_final)
         if chars <= LONG_PROMPT_CHARS:
             return render()
         return await trio.to_thread.run_sync(render, thread_name="tokenize")
 
     def _render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+        continue_final: bool,
     ) -> list[int]:
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
+            return self.tokenizer.encode_chat(
+                messages, add_generation_prompt, continue_final_message=continue_final, **kwargs
+            )
         except ValueError as e:
             raise InvalidRequest(str(e), "messages") from None
 

@@ -1,6 +1,6 @@
 """The engine's one way to its model. An executor holds rank 0's runner and runs a method of the
 runner on every rank, returning rank 0's result: `LocalExecutor` runs it in this process; under
-tensor parallelism `TensorParallelExecutor` (engine/tp.py) first sends the call to the other ranks,
+tensor parallelism `TensorParallelExecutor` (tp.py) first sends the call to the other ranks,
 each of which runs the same method on its own runner. The engine holds one and never asks which.
 """
 
@@ -11,9 +11,8 @@ from typing import Any, Protocol
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.tp import TensorParallelExecutor
-from nanoserve.model.checkpoint import Checkpoint
-from nanoserve.model.parallel import check_divisible
+from nanoserve.engine.parallel.tp import TensorParallelExecutor
+from nanoserve.model import Checkpoint, check_divisible
 
 
 class Executor(Protocol):

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: ranks 1..N-1. It joins the group, takes rank 0's engine settings,
 builds its runner (its slices, its heads' KV cache) and runs every call of a runner method that
-rank 0 sends (engine/channel.py) until told to stop or until rank 0 is gone. It never samples:
+rank 0 sends (channel.py) until told to stop or until rank 0 is gone. It never samples:
 its part of a step is the collectives; only a gathered method's result (an int) goes back.
 """
 
@@ -19,9 +19,16 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.channel import ENV, GATHERED, Channel, join_group, model_group, rank_device
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.model.checkpoint import open_checkpoint
+from nanoserve.engine.parallel.channel import (
+    ENV,
+    GATHERED,
+    Channel,
+    join_group,
+    model_group,
+    rank_device,
+)
+from nanoserve.model import open_checkpoint
 
 
 def run_worker(

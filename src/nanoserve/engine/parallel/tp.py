@@ -1,7 +1,7 @@
 """Tensor parallelism's executor, rank 0's side. Rank 0 is the engine's own process: it spawns the
-other ranks (engine/worker.py; or, with MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set, waits
+other ranks (worker.py; or, with MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set, waits
 for ranks started by `nanoserve worker`), builds its own runner as they build theirs, sends each
-call of a runner method to them before running it itself (engine/channel.py), watches that every
+call of a runner method to them before running it itself (channel.py), watches that every
 worker lives, names what broke a call, and stops them all. Owns the processes and the group.
 """
 
@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine.channel import (
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.parallel.channel import (
     GATHERED,
     Channel,
     join_group,
@@ -32,9 +33,8 @@ from nanoserve.engine.channel import (
     rank_device,
     rendezvous,
 )
-from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.worker import run_worker
-from nanoserve.model.checkpoint import Checkpoint
+from nanoserve.engine.parallel.worker import run_worker
+from nanoserve.model import Checkpoint
 
 JOIN_S = 5.0  # at shutdown, time the workers get to stop by themselves before they are killed
 

@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig, SettingError
+from nanoserve.engine.inputs import Chunk
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import Request
-from nanoserve.engine.spec_decode import draft_room
-from nanoserve.model.checkpoint import Checkpoint, open_checkpoint
+from nanoserve.engine.spec.ngram import draft_room
+from nanoserve.model import Checkpoint, open_checkpoint
 from nanoserve.tokenizer import Tokenizer
 
 # Encoded by both tokenizers: a draft whose ids differ from the target's proposes nonsense.
@@ -47,20 +48,6 @@ class _Written:
     preemptions: int
     start: int
     tokens: list[int]
-
-
-@dataclass
-class _DraftChunk:
-    """A draft forward's part of a request, as the packer sees a scheduled request."""
-
-    token_ids: list[int]
-    start: int
-    num_new_tokens: int
-    block_table: list[int]
-    samples: bool = True
-    prompt_logprob_positions: range = range(0)
-    prompt_logprobs: int = 0
-    verifies: bool = False
 
 
 class DraftModelProposer:
@@ -109,11 +96,11 @@ class DraftModelProposer:
         table = request.block_table
         assert len(table) * self.block_size >= len(tokens) + room
         draft: list[int] = []
-        chunk = _DraftChunk(tokens, start, len(tokens) - start, table)
+        chunk = Chunk(tokens, start, len(tokens) - start, table)
         for _ in range(room):
             logits = self._step(chunk)
             draft.append(int(torch.argmax(logits[0])))
-            chunk = _DraftChunk(tokens + draft, len(tokens) + len(draft) - 1, 1, table)
+            chunk = Chunk(tokens + draft, len(tokens) + len(draft) - 1, 1, table)
         # Written: positions start .. len(tokens) + room - 2 (the last draft token never is).
         written = tokens[start:] + draft[:-1]
         self._written[request] = _Written(request.num_preemptions, start, written)
@@ -131,7 +118,7 @@ class DraftModelProposer:
             n += 1
         return min(n, request.num_computed_tokens)
 
-    def _step(self, chunk: _DraftChunk) -> torch.Tensor:
+    def _step(self, chunk: Chunk) -> torch.Tensor:
         return self.runner.execute(self.runner.prepare([chunk]))[0]
 
 

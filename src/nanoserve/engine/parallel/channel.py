@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from nanoserve import env
 from nanoserve.engine.inputs import PromptScoring, StepInputs
-from nanoserve.model.attention import AttentionMetadata, PrefillChunk
-from nanoserve.model.parallel import Parallel
+from nanoserve.model import AttentionMetadata, Parallel, PrefillChunk
 
 # A rank waiting longer than this in a collective of a step: another rank hung; the step fails.
 TIMEOUT_S = env.tp_timeout_s()

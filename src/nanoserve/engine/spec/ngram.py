@@ -53,7 +53,7 @@ def draft_room(request: Request, k: int, max_model_len: int) -> int:
         return 0
     return min(
         k,
-        request.max_tokens - request.num_output_tokens - 1,
+        request.output_limit - request.num_output_tokens - 1,
         max_model_len - request.num_tokens - 1,
     )
 
