@@ -15,8 +15,8 @@
 #include <omp.h>
 #include <stdlib.h>
 
-/* The formats, each defined in its file quant_<name>.c: adding one is a line here and its file.
- * Python reads them from _C.BLOCK_FORMATS. */
+/* The formats, each defined in its file quant_<name>.c: adding one is a line here, its file, its
+ * GGML id (quant.h) and its SIMD kernel (quant_simd.h). Python reads them from _C.BLOCK_FORMATS. */
 extern const ns_block_format Q8_0_FORMAT, Q4_0_FORMAT, Q4_1_FORMAT;
 extern const ns_block_format Q5_0_FORMAT, Q5_1_FORMAT, Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT;
 extern const ns_block_format F16_FORMAT, BF16_FORMAT;
@@ -27,7 +27,7 @@ enum { NUM_FORMATS = sizeof FORMATS / sizeof FORMATS[0] };
 
 const ns_block_format *ns_block_format_of(int code) {
     for (int i = 0; i < NUM_FORMATS; i++)
-        if (FORMATS[i]->code == code) return FORMATS[i];
+        if ((int)FORMATS[i]->code == code) return FORMATS[i];
     return NULL;
 }
 
@@ -136,6 +136,18 @@ static void quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x
 
 /* ---------------------------------------------------------------- the driver */
 
+/* The format's kernel on the path. */
+static ns_matmul_fn path_kernel(const ns_block_format *f, int path) {
+    switch (path) {
+#if NS_X86
+    case NS_AVX2: return NS_AVX2_KERNELS[f->code];
+    case NS_AVX512: return NS_AVX512_KERNELS[f->code];
+    case NS_AVX512_VNNI: return NS_AVX512_VNNI_KERNELS[f->code];
+#endif
+    default: return f->portable;
+    }
+}
+
 int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const void *w, Py_ssize_t M,
                            Py_ssize_t N, Py_ssize_t K, int qtype, int num_threads) {
     const ns_block_format *f = ns_block_format_of(qtype);
@@ -146,7 +158,7 @@ int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const voi
     if (!f->float_x && !(base = xq_alloc(&xq, M, K))) return -1;
     const ns_qmm a = {out, (const char *)w, &xq, M, N, K, ldo,
                       (size_t)(K / ns_block_values(f)) * f->block_bytes, x};
-    const ns_matmul_fn kernel = f->matmul[path];
+    const ns_matmul_fn kernel = path_kernel(f, path);
     if (num_threads > N) num_threads = N > 0 ? (int)N : 1;
 #pragma omp parallel num_threads(num_threads)
     {

@@ -70,19 +70,29 @@ typedef struct {
 /* A kernel: out[:, n0:n1] of a matmul. Each out[m, n] is the same operations on row m of x and
  * row n of W whatever n0, n1 and M (bitwise row invariance). */
 typedef void (*ns_matmul_fn)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
-/* The same as a function type: a format's file declares with it the SIMD kernels that
- * quant_simd.h defines (quant_avx2.c and the others compile it). */
-typedef void ns_matmul_kernel(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
 
 /* The paths, in order of preference; kernels.cpu_isa() names the first three, VNNI is an option
  * of the AVX-512 one. */
 enum ns_path { NS_PORTABLE, NS_AVX2, NS_AVX512, NS_AVX512_VNNI, NS_NUM_PATHS };
 
+/* GGML's type ids of the formats: the qtype codes Python passes (c_backend.QTYPE_CODES). */
+enum ns_ggml_type {
+    GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30, NS_NUM_GGML_TYPES
+};
+
+/* Each SIMD path's kernels by GGML type id: quant_simd.h's table, which quant_avx2.c,
+ * quant_avx512.c and quant_avx512_vnni.c compile once each. */
+#if NS_X86
+extern const ns_matmul_fn *const NS_AVX2_KERNELS, *const NS_AVX512_KERNELS,
+    *const NS_AVX512_VNNI_KERNELS;
+#endif
+
 /* A block format: what the driver (quant.c, quant_convert.c) needs of it. Each format's file
  * defines one, named <NAME>_FORMAT; quant.c's table lists them. */
 typedef struct {
-    int code;          /* GGML's type id: the qtype code Python passes (c_backend.QTYPE_CODES) */
-    const char *name;  /* as kernels.QUANT_TYPES has it: GGML's type name in lower case */
+    enum ns_ggml_type code;
+    const char *name; /* as kernels.QUANT_TYPES has it: GGML's type name in lower case */
     size_t block_bytes;
     int block_values; /* values per block along K: QK_K for a K-quant's super-block; 0 is QK */
     /* a block's block_values values, as gguf.quants.quantize; NULL where nanoserve does not
@@ -90,7 +100,7 @@ typedef struct {
     void (*quantize)(void *block, const float *x);
     void (*dequantize)(float *x, const void *block);
     const uint8_t *pairs; /* the order in which the SIMD kernels take a block's activations */
-    ns_matmul_fn matmul[NS_NUM_PATHS]; /* the SIMD paths' on x86 only */
+    ns_matmul_fn portable; /* the reference kernel; the SIMD paths' are in their tables */
     /* F16 and BF16 (quant_f16.c): "blocks" of 32 plain 16-bit floats whose kernels widen them and
      * multiply the float32 activations as they are (xf): no int16 rounding, no pairs. */
     int float_x;

@@ -1,10 +1,12 @@
-/* The quantized matmul's AVX-512 kernels (q4_0_matmul_avx512 and the others): quant_simd.h, each
- * kernel written once for any vector width, compiled with AVX-512's vocabulary. This file only
- * picks the instruction set.
+/* The quantized matmul's AVX-512 (F, BW and VL) kernels: quant_simd.h compiled with
+ * that instruction set's vocabulary (quant_isa.h). This file only picks it.
  */
 #include "quant.h"
 
 #if NS_X86
-#include "quant_isa_avx512.h"
+#define NS_AVX512 1
+#include "quant_isa.h"
 #include "quant_simd.h"
+
+const ns_matmul_fn *const NS_AVX512_KERNELS = SIMD_KERNELS;
 #endif

@@ -82,4 +82,26 @@ typedef struct {
 } block_q6_K;
 _Static_assert(sizeof(block_q6_K) == 210 && sizeof(block_q6_K) <= NS_MAX_BLOCK_BYTES, "GGUF Q6_K");
 
+/* A format's term of out[m, n] for block b of row n (a K-quant's 32-value sub-block b): acc plus
+ * the block's scaled dot with x, the block's 32 activations, whose scale is dx and sum sx. */
+typedef float ns_block_term(float acc, const char *row, Py_ssize_t b, const int16_t *x, float dx,
+                            float sx);
+
+/* The portable kernels (the reference): one output at a time, the terms of its blocks in order. */
+static inline __attribute__((always_inline)) void
+ns_portable_matmul(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, ns_block_term *term) {
+    const ns_xq *xq = a->x;
+    const Py_ssize_t nb = a->K / QK;
+    for (Py_ssize_t n = n0; n < n1; n++) {
+        const char *row = a->w + (size_t)n * a->row_bytes;
+        for (Py_ssize_t m = 0; m < a->M; m++) {
+            const int16_t *x = xq->q + m * nb * QK;
+            const float *dx = xq->dx + m * nb, *sx = xq->sx + m * nb;
+            float acc = 0.0f;
+            for (Py_ssize_t b = 0; b < nb; b++) acc = term(acc, row, b, x + b * QK, dx[b], sx[b]);
+            a->out[m * a->ldo + n] = acc;
+        }
+    }
+}
+
 #endif

@@ -62,43 +62,26 @@ static void bf16_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) 
     f16_matmul(a, n0, n1, 1, f16_dots_portable);
 }
 
-#if NS_X86
-extern ns_matmul_kernel f16_matmul_avx2, f16_matmul_avx512;
-extern ns_matmul_kernel bf16_matmul_avx2, bf16_matmul_avx512;
-#endif
-
 /* These formats' rows of the table of formats (quant.c), whose SIMD kernels are quant_simd.h's;
  * VNNI has nothing to add to floats. */
 const ns_block_format F16_FORMAT = {
-    .code = 1, /* GGML_TYPE_F16 */
+    .code = GGML_F16,
     .name = "f16",
     .block_bytes = QK * sizeof(uint16_t),
     .quantize = f16_quantize,
     .dequantize = f16_dequantize,
     .pairs = NULL,
-    .matmul = {[NS_PORTABLE] = f16_matmul_portable,
-#if NS_X86
-               [NS_AVX2] = f16_matmul_avx2,
-               [NS_AVX512] = f16_matmul_avx512,
-               [NS_AVX512_VNNI] = f16_matmul_avx512
-#endif
-    },
+    .portable = f16_matmul_portable,
     .float_x = 1,
 };
 
 const ns_block_format BF16_FORMAT = {
-    .code = 30, /* GGML_TYPE_BF16 */
+    .code = GGML_BF16,
     .name = "bf16",
     .block_bytes = QK * sizeof(uint16_t),
     .quantize = bf16_quantize,
     .dequantize = bf16_dequantize,
     .pairs = NULL,
-    .matmul = {[NS_PORTABLE] = bf16_matmul_portable,
-#if NS_X86
-               [NS_AVX2] = bf16_matmul_avx2,
-               [NS_AVX512] = bf16_matmul_avx512,
-               [NS_AVX512_VNNI] = bf16_matmul_avx512
-#endif
-    },
+    .portable = bf16_matmul_portable,
     .float_x = 1,
 };

@@ -37,48 +37,27 @@ static void q4_0_dequantize(float *x, const void *block) {
 
 /* ---------------------------------------------------------------- portable C */
 
-/* The exact integer dot of a block's values q - 8 and 32 activations in order. */
-static int32_t q4_0_dot(const block_q4_0 *b, const int16_t *x) {
+/* Block b's term: the exact integer dot of its values q - 8 and x, scaled. */
+static inline float q4_0_term(float acc, const char *row, Py_ssize_t b, const int16_t *x, float dx, float sx) {
+    const block_q4_0 *blk = (const block_q4_0 *)row + b;
     int32_t s = 0;
     for (int j = 0; j < QK / 2; j++)
-        s += ((b->qs[j] & 15) - 8) * x[j] + ((b->qs[j] >> 4) - 8) * x[j + QK / 2];
-    return s;
+        s += ((blk->qs[j] & 15) - 8) * x[j] + ((blk->qs[j] >> 4) - 8) * x[j + QK / 2];
+    (void)sx;
+    return acc + (float)s * (ns_f16_to_f32(blk->d) * dx);
 }
 
-/* One output at a time, blocks in order. */
 static void q4_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    const ns_xq *xq = a->x;
-    const Py_ssize_t nb = a->K / QK;
-    for (Py_ssize_t n = n0; n < n1; n++) {
-        const block_q4_0 *row = (const block_q4_0 *)(a->w + (size_t)n * a->row_bytes);
-        for (Py_ssize_t m = 0; m < a->M; m++) {
-            const int16_t *x = xq->q + m * nb * QK;
-            const float *dx = xq->dx + m * nb;
-            float acc = 0.0f;
-            for (Py_ssize_t b = 0; b < nb; b++)
-                acc += (float)q4_0_dot(row + b, x + b * QK) * (ns_f16_to_f32(row[b].d) * dx[b]);
-            a->out[m * a->ldo + n] = acc;
-        }
-    }
+    ns_portable_matmul(a, n0, n1, q4_0_term);
 }
-
-#if NS_X86
-extern ns_matmul_kernel q4_0_matmul_avx2, q4_0_matmul_avx512, q4_0_matmul_avx512_vnni;
-#endif
 
 /* This format's row of the table of formats (quant.c). */
 const ns_block_format Q4_0_FORMAT = {
-    .code = 2, /* GGML_TYPE_Q4_0 */
+    .code = GGML_Q4_0,
     .name = "q4_0",
     .block_bytes = sizeof(block_q4_0),
     .quantize = q4_0_quantize,
     .dequantize = q4_0_dequantize,
     .pairs = NS_NIBBLE_PAIRS,
-    .matmul = {[NS_PORTABLE] = q4_0_matmul_portable,
-#if NS_X86
-               [NS_AVX2] = q4_0_matmul_avx2,
-               [NS_AVX512] = q4_0_matmul_avx512,
-               [NS_AVX512_VNNI] = q4_0_matmul_avx512_vnni
-#endif
-    },
+    .portable = q4_0_matmul_portable,
 };

@@ -35,49 +35,27 @@ static void q4_1_dequantize(float *x, const void *block) {
 
 /* ---------------------------------------------------------------- portable C */
 
-/* The exact integer dot of a block's q and 32 activations in order. */
-static int32_t q4_1_dot(const block_q4_1 *b, const int16_t *x) {
+/* Block b's term: the exact integer dot of its q and x, scaled, and its min's. */
+static inline float q4_1_term(float acc, const char *row, Py_ssize_t b, const int16_t *x, float dx, float sx) {
+    const block_q4_1 *blk = (const block_q4_1 *)row + b;
     int32_t s = 0;
-    for (int j = 0; j < QK / 2; j++) s += (b->qs[j] & 15) * x[j] + (b->qs[j] >> 4) * x[j + QK / 2];
-    return s;
+    for (int j = 0; j < QK / 2; j++)
+        s += (blk->qs[j] & 15) * x[j] + (blk->qs[j] >> 4) * x[j + QK / 2];
+    acc += (float)s * (ns_f16_to_f32(blk->d) * dx);
+    return acc + ns_f16_to_f32(blk->m) * sx;
 }
 
-/* One output at a time, blocks in order. */
 static void q4_1_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    const ns_xq *xq = a->x;
-    const Py_ssize_t nb = a->K / QK;
-    for (Py_ssize_t n = n0; n < n1; n++) {
-        const block_q4_1 *row = (const block_q4_1 *)(a->w + (size_t)n * a->row_bytes);
-        for (Py_ssize_t m = 0; m < a->M; m++) {
-            const int16_t *x = xq->q + m * nb * QK;
-            const float *dx = xq->dx + m * nb, *sx = xq->sx + m * nb;
-            float acc = 0.0f;
-            for (Py_ssize_t b = 0; b < nb; b++) {
-                acc += (float)q4_1_dot(row + b, x + b * QK) * (ns_f16_to_f32(row[b].d) * dx[b]);
-                acc += ns_f16_to_f32(row[b].m) * sx[b];
-            }
-            a->out[m * a->ldo + n] = acc;
-        }
-    }
+    ns_portable_matmul(a, n0, n1, q4_1_term);
 }
-
-#if NS_X86
-extern ns_matmul_kernel q4_1_matmul_avx2, q4_1_matmul_avx512, q4_1_matmul_avx512_vnni;
-#endif
 
 /* This format's row of the table of formats (quant.c). */
 const ns_block_format Q4_1_FORMAT = {
-    .code = 3, /* GGML_TYPE_Q4_1 */
+    .code = GGML_Q4_1,
     .name = "q4_1",
     .block_bytes = sizeof(block_q4_1),
     .quantize = q4_1_quantize,
     .dequantize = q4_1_dequantize,
     .pairs = NS_NIBBLE_PAIRS,
-    .matmul = {[NS_PORTABLE] = q4_1_matmul_portable,
-#if NS_X86
-               [NS_AVX2] = q4_1_matmul_avx2,
-               [NS_AVX512] = q4_1_matmul_avx512,
-               [NS_AVX512_VNNI] = q4_1_matmul_avx512_vnni
-#endif
-    },
+    .portable = q4_1_matmul_portable,
 };

@@ -26,55 +26,31 @@ static void q4_k_dequantize(float *x, const void *block) {
 
 /* ---------------------------------------------------------------- portable C */
 
-/* The exact integer dot of sub-block j's q and 32 activations in order. */
-static int32_t q4_k_dot(const block_q4_K *b, int j, const int16_t *x) {
+/* Sub-block b's term: the exact integer dot of its q and x, scaled, and its min's. */
+static inline float q4_k_term(float acc, const char *row, Py_ssize_t b, const int16_t *x, float dx, float sx) {
+    const block_q4_K *blk = (const block_q4_K *)row + b / KQ_SUBS;
+    const int j = (int)(b % KQ_SUBS);
     int shift;
-    const uint8_t *q = q4_k_sub(b, j, &shift);
+    const uint8_t *q = q4_k_sub(blk, j, &shift);
     int32_t s = 0;
     for (int l = 0; l < QK; l++) s += ((q[l] >> shift) & 15) * x[l];
-    return s;
+    float d, neg_m;
+    kquant_sub_scales(&blk->h, j, &d, &neg_m);
+    acc += (float)s * (d * dx);
+    return acc + neg_m * sx;
 }
 
-/* One output at a time, sub-blocks in order. */
 static void q4_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    const ns_xq *xq = a->x;
-    const Py_ssize_t nb = a->K / QK;
-    for (Py_ssize_t n = n0; n < n1; n++) {
-        const block_q4_K *row = (const block_q4_K *)(a->w + (size_t)n * a->row_bytes);
-        for (Py_ssize_t m = 0; m < a->M; m++) {
-            const int16_t *x = xq->q + m * nb * QK;
-            const float *dx = xq->dx + m * nb, *sx = xq->sx + m * nb;
-            float acc = 0.0f;
-            for (Py_ssize_t b = 0; b < nb; b++) {
-                const block_q4_K *blk = row + b / KQ_SUBS;
-                const int j = (int)(b % KQ_SUBS);
-                float d, neg_m;
-                kquant_sub_scales(&blk->h, j, &d, &neg_m);
-                acc += (float)q4_k_dot(blk, j, x + b * QK) * (d * dx[b]);
-                acc += neg_m * sx[b];
-            }
-            a->out[m * a->ldo + n] = acc;
-        }
-    }
+    ns_portable_matmul(a, n0, n1, q4_k_term);
 }
-
-#if NS_X86
-extern ns_matmul_kernel q4_k_matmul_avx2, q4_k_matmul_avx512, q4_k_matmul_avx512_vnni;
-#endif
 
 /* This format's row of the table of formats (quant.c). */
 const ns_block_format Q4_K_FORMAT = {
-    .code = 12, /* GGML_TYPE_Q4_K */
+    .code = GGML_Q4_K,
     .name = "q4_k",
     .block_bytes = sizeof(block_q4_K),
     .block_values = QK_K,
     .dequantize = q4_k_dequantize,
     .pairs = NS_BYTE_PAIRS,
-    .matmul = {[NS_PORTABLE] = q4_k_matmul_portable,
-#if NS_X86
-               [NS_AVX2] = q4_k_matmul_avx2,
-               [NS_AVX512] = q4_k_matmul_avx512,
-               [NS_AVX512_VNNI] = q4_k_matmul_avx512_vnni
-#endif
-    },
+    .portable = q4_k_matmul_portable,
 };

@@ -42,48 +42,27 @@ static void q5_0_dequantize(float *x, const void *block) {
 
 /* ---------------------------------------------------------------- portable C */
 
-/* The exact integer dot of a block's values q - 16 and 32 activations in order. */
-static int32_t q5_0_dot(const block_q5_0 *b, const int16_t *x) {
-    const uint32_t qh = q5_0_qh(b);
+/* Block b's term: the exact integer dot of its values q - 16 and x, scaled. */
+static inline float q5_0_term(float acc, const char *row, Py_ssize_t b, const int16_t *x, float dx, float sx) {
+    const block_q5_0 *blk = (const block_q5_0 *)row + b;
+    const uint32_t qh = q5_0_qh(blk);
     int32_t s = 0;
-    for (int j = 0; j < QK; j++) s += (q5_value(b->qs, qh, j) - 16) * x[j];
-    return s;
+    for (int j = 0; j < QK; j++) s += (q5_value(blk->qs, qh, j) - 16) * x[j];
+    (void)sx;
+    return acc + (float)s * (ns_f16_to_f32(blk->d) * dx);
 }
 
-/* One output at a time, blocks in order. */
 static void q5_0_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    const ns_xq *xq = a->x;
-    const Py_ssize_t nb = a->K / QK;
-    for (Py_ssize_t n = n0; n < n1; n++) {
-        const block_q5_0 *row = (const block_q5_0 *)(a->w + (size_t)n * a->row_bytes);
-        for (Py_ssize_t m = 0; m < a->M; m++) {
-            const int16_t *x = xq->q + m * nb * QK;
-            const float *dx = xq->dx + m * nb;
-            float acc = 0.0f;
-            for (Py_ssize_t b = 0; b < nb; b++)
-                acc += (float)q5_0_dot(row + b, x + b * QK) * (ns_f16_to_f32(row[b].d) * dx[b]);
-            a->out[m * a->ldo + n] = acc;
-        }
-    }
+    ns_portable_matmul(a, n0, n1, q5_0_term);
 }
-
-#if NS_X86
-extern ns_matmul_kernel q5_0_matmul_avx2, q5_0_matmul_avx512, q5_0_matmul_avx512_vnni;
-#endif
 
 /* This format's row of the table of formats (quant.c). */
 const ns_block_format Q5_0_FORMAT = {
-    .code = 6, /* GGML_TYPE_Q5_0 */
+    .code = GGML_Q5_0,
     .name = "q5_0",
     .block_bytes = sizeof(block_q5_0),
     .quantize = q5_0_quantize,
     .dequantize = q5_0_dequantize,
     .pairs = NS_NIBBLE_PAIRS,
-    .matmul = {[NS_PORTABLE] = q5_0_matmul_portable,
-#if NS_X86
-               [NS_AVX2] = q5_0_matmul_avx2,
-               [NS_AVX512] = q5_0_matmul_avx512,
-               [NS_AVX512_VNNI] = q5_0_matmul_avx512_vnni
-#endif
-    },
+    .portable = q5_0_matmul_portable,
 };

@@ -23,48 +23,29 @@ static void q5_k_dequantize(float *x, const void *block) {
 
 /* ---------------------------------------------------------------- portable C */
 
-/* One output at a time, sub-blocks in order; each sub-block's dot exact in integers. */
-static void q5_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    const ns_xq *xq = a->x;
-    const Py_ssize_t nb = a->K / QK;
-    for (Py_ssize_t n = n0; n < n1; n++) {
-        const block_q5_K *row = (const block_q5_K *)(a->w + (size_t)n * a->row_bytes);
-        for (Py_ssize_t m = 0; m < a->M; m++) {
-            const int16_t *x = xq->q + m * nb * QK;
-            const float *dx = xq->dx + m * nb, *sx = xq->sx + m * nb;
-            float acc = 0.0f;
-            for (Py_ssize_t b = 0; b < nb; b++) {
-                const block_q5_K *blk = row + b / KQ_SUBS;
-                const int j = (int)(b % KQ_SUBS);
-                float d, neg_m;
-                kquant_sub_scales(&blk->h, j, &d, &neg_m);
-                int32_t dot = 0;
-                for (int l = 0; l < QK; l++) dot += q5_k_value(blk, j, l) * x[b * QK + l];
-                acc += (float)dot * (d * dx[b]);
-                acc += neg_m * sx[b];
-            }
-            a->out[m * a->ldo + n] = acc;
-        }
-    }
+/* Sub-block b's term: the exact integer dot of its q and x, scaled, and its min's. */
+static inline float q5_k_term(float acc, const char *row, Py_ssize_t b, const int16_t *x, float dx, float sx) {
+    const block_q5_K *blk = (const block_q5_K *)row + b / KQ_SUBS;
+    const int j = (int)(b % KQ_SUBS);
+    int32_t s = 0;
+    for (int l = 0; l < QK; l++) s += q5_k_value(blk, j, l) * x[l];
+    float d, neg_m;
+    kquant_sub_scales(&blk->h, j, &d, &neg_m);
+    acc += (float)s * (d * dx);
+    return acc + neg_m * sx;
 }
 
-#if NS_X86
-extern ns_matmul_kernel q5_k_matmul_avx2, q5_k_matmul_avx512, q5_k_matmul_avx512_vnni;
-#endif
+static void q5_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    ns_portable_matmul(a, n0, n1, q5_k_term);
+}
 
 /* This format's row of the table of formats (quant.c). */
 const ns_block_format Q5_K_FORMAT = {
-    .code = 13, /* GGML_TYPE_Q5_K */
+    .code = GGML_Q5_K,
     .name = "q5_k",
     .block_bytes = sizeof(block_q5_K),
     .block_values = QK_K,
     .dequantize = q5_k_dequantize,
     .pairs = NS_BYTE_PAIRS,
-    .matmul = {[NS_PORTABLE] = q5_k_matmul_portable,
-#if NS_X86
-               [NS_AVX2] = q5_k_matmul_avx2,
-               [NS_AVX512] = q5_k_matmul_avx512,
-               [NS_AVX512_VNNI] = q5_k_matmul_avx512_vnni
-#endif
-    },
+    .portable = q5_k_matmul_portable,
 };

@@ -39,50 +39,33 @@ static void q6_k_dequantize(float *x, const void *block) {
 
 /* ---------------------------------------------------------------- portable C */
 
-/* One output at a time, sub-blocks in order; each half's dot exact in integers. */
-static void q6_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
-    const ns_xq *xq = a->x;
-    const Py_ssize_t nb = a->K / QK;
-    for (Py_ssize_t n = n0; n < n1; n++) {
-        const block_q6_K *row = (const block_q6_K *)(a->w + (size_t)n * a->row_bytes);
-        for (Py_ssize_t m = 0; m < a->M; m++) {
-            const int16_t *x = xq->q + m * nb * QK;
-            const float *dx = xq->dx + m * nb;
-            float acc = 0.0f;
-            for (Py_ssize_t b = 0; b < nb; b++) {
-                const block_q6_K *blk = row + b / KQ_SUBS;
-                const int t = (int)(b % KQ_SUBS);
-                const float d = ns_f16_to_f32(blk->d);
-                int v[QK];
-                q6_k_values(v, blk, t);
-                for (int half = 0; half < 2; half++) {
-                    int32_t dot = 0;
-                    for (int l = 16 * half; l < 16 * half + 16; l++) dot += v[l] * x[b * QK + l];
-                    acc += (float)dot * ((d * (float)blk->scales[2 * t + half]) * dx[b]);
-                }
-            }
-            a->out[m * a->ldo + n] = acc;
-        }
+/* 32-value sub-block b's term: each 16-value half's exact integer dot with x, scaled. */
+static inline float q6_k_term(float acc, const char *row, Py_ssize_t b, const int16_t *x, float dx, float sx) {
+    const block_q6_K *blk = (const block_q6_K *)row + b / KQ_SUBS;
+    const int t = (int)(b % KQ_SUBS);
+    const float d = ns_f16_to_f32(blk->d);
+    int v[QK];
+    q6_k_values(v, blk, t);
+    for (int half = 0; half < 2; half++) {
+        int32_t s = 0;
+        for (int l = 16 * half; l < 16 * half + 16; l++) s += v[l] * x[l];
+        acc += (float)s * ((d * (float)blk->scales[2 * t + half]) * dx);
     }
+    (void)sx;
+    return acc;
 }
 
-#if NS_X86
-extern ns_matmul_kernel q6_k_matmul_avx2, q6_k_matmul_avx512, q6_k_matmul_avx512_vnni;
-#endif
+static void q6_k_matmul_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    ns_portable_matmul(a, n0, n1, q6_k_term);
+}
 
 /* This format's row of the table of formats (quant.c). */
 const ns_block_format Q6_K_FORMAT = {
-    .code = 14, /* GGML_TYPE_Q6_K */
+    .code = GGML_Q6_K,
     .name = "q6_k",
     .block_bytes = sizeof(block_q6_K),
     .block_values = QK_K,
     .dequantize = q6_k_dequantize,
     .pairs = NS_BYTE_PAIRS,
-    .matmul = {[NS_PORTABLE] = q6_k_matmul_portable,
-#if NS_X86
-               [NS_AVX2] = q6_k_matmul_avx2,
-               [NS_AVX512] = q6_k_matmul_avx512,
-               [NS_AVX512_VNNI] = q6_k_matmul_avx512_vnni
-#endif
-    },
+    .portable = q6_k_matmul_portable,
 };

@@ -1,7 +1,7 @@
 /* Each format's SIMD unpacking and kernel, written once for any vector width: quant_avx2.c,
  * quant_avx512.c and quant_avx512_vnni.c compile this once per instruction set, after its
- * vocabulary (quant_isa_*.h), into q4_0_matmul_avx2, q4_0_matmul_avx512, q4_0_matmul_avx512_vnni
- * and the others, which the formats' rows of the table of formats (quant_<name>.c) point to.
+ * vocabulary (quant_isa.h), and export its table of kernels (SIMD_KERNELS, at the end) as
+ * NS_AVX2_KERNELS, NS_AVX512_KERNELS and NS_AVX512_VNNI_KERNELS, which quant.c picks from.
  *
  * An unpack reads the blocks at w of STRIP_W rows of W (row c's at w + c stride) into a strip
  * (quant_strips.h): each column's scales and its values as the pairs of the format's `pairs`
@@ -33,7 +33,7 @@ NS_INLINE void q8_0_unpack(strip *s, const char *w, size_t stride) {
 
 static const strip_format Q8_0_STRIPS = {q8_0_unpack, sizeof(block_q8_0), 0};
 
-NS_KERNEL void ISA_NAME(q8_0_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void q8_0_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q8_0_STRIPS);
 }
 
@@ -58,11 +58,11 @@ NS_INLINE void q4_1_unpack(strip *s, const char *w, size_t stride) {
 static const strip_format Q4_0_STRIPS = {q4_0_unpack, sizeof(block_q4_0), 0};
 static const strip_format Q4_1_STRIPS = {q4_1_unpack, sizeof(block_q4_1), 1};
 
-NS_KERNEL void ISA_NAME(q4_0_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void q4_0_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q4_0_STRIPS);
 }
 
-NS_KERNEL void ISA_NAME(q4_1_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void q4_1_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q4_1_STRIPS);
 }
 
@@ -104,11 +104,11 @@ NS_INLINE void q5_1_unpack(strip *s, const char *w, size_t stride) {
 static const strip_format Q5_0_STRIPS = {q5_0_unpack, sizeof(block_q5_0), 0};
 static const strip_format Q5_1_STRIPS = {q5_1_unpack, sizeof(block_q5_1), 1};
 
-NS_KERNEL void ISA_NAME(q5_0_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void q5_0_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q5_0_STRIPS);
 }
 
-NS_KERNEL void ISA_NAME(q5_1_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void q5_1_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q5_1_STRIPS);
 }
 
@@ -196,11 +196,11 @@ static const strip_format Q4_K_STRIPS = {
 static const strip_format Q5_K_STRIPS = {
     .block_bytes = sizeof(block_q5_K), .has_min = 1, .subs = KQ_SUBS, .unpack_super = q5_k_unpack};
 
-NS_KERNEL void ISA_NAME(q4_k_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void q4_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q4_K_STRIPS);
 }
 
-NS_KERNEL void ISA_NAME(q5_k_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void q5_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q5_K_STRIPS);
 }
 
@@ -257,7 +257,7 @@ NS_INLINE void q6_k_unpack(strip *s, const char *w, size_t stride) {
 static const strip_format Q6_K_STRIPS = {
     .block_bytes = sizeof(block_q6_K), .subs = KQ_SUBS, .unpack_super = q6_k_unpack, .halves = 1};
 
-NS_KERNEL void ISA_NAME(q6_k_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void q6_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q6_K_STRIPS);
 }
 
@@ -308,12 +308,18 @@ NS_INLINE void f16_dots(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t
     for (int c = 0; c < nc; c++) f16_dots_rows(a, r0, mr, n + c, 1, row + c * a->row_bytes, bf16);
 }
 
-#ifndef NS_VNNI /* VNNI has nothing to add to floats: the AVX-512 kernels serve that path too */
-NS_KERNEL void ISA_NAME(f16_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void f16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     f16_matmul(a, n0, n1, 0, f16_dots);
 }
 
-NS_KERNEL void ISA_NAME(bf16_matmul)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+static NS_KERNEL void bf16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     f16_matmul(a, n0, n1, 1, f16_dots);
 }
-#endif
+
+/* This instruction set's kernels by GGML type id: the file that compiles this exports it. */
+static const ns_matmul_fn SIMD_KERNELS[NS_NUM_GGML_TYPES] = {
+    [GGML_Q8_0] = q8_0_simd, [GGML_Q4_0] = q4_0_simd, [GGML_Q4_1] = q4_1_simd,
+    [GGML_Q5_0] = q5_0_simd, [GGML_Q5_1] = q5_1_simd, [GGML_Q4_K] = q4_k_simd,
+    [GGML_Q5_K] = q5_k_simd, [GGML_Q6_K] = q6_k_simd, [GGML_F16] = f16_simd,
+    [GGML_BF16] = bf16_simd,
+};

@@ -1,6 +1,6 @@
 /* The SIMD drivers of the quantized matmul, written once for any vector width: quant_simd.h
  * instantiates them with each format's block unpacking, and quant_avx2.c, quant_avx512.c and
- * quant_avx512_vnni.c compile that once per instruction set, whose vocabulary (quant_isa_*.h:
+ * quant_avx512_vnni.c compile that once per instruction set, whose vocabulary (quant_isa.h:
  * ivec and fvec, STRIP_W lanes, the tile sizes) is included first. Built with target attributes,
  * not build flags, so that every path is there whatever -march the module is built for and runs
  * only where quant.c found the CPU able.
