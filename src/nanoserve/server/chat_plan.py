@@ -68,8 +68,8 @@ def chat_plan(
             'tool_choice is "none"',
             "tools",
         )
-    open_id = tokenizer.token_id(syntax.open) if syntax.special else None
-    if syntax.special and open_id is None and (offered or required):
+    tags = {t: i for t in syntax.tags() if (i := tokenizer.token_id(t)) is not None}
+    if syntax.special and syntax.open not in tags and (offered or required):
         raise InvalidRequest(
             f"tools: the chat template calls tools with {syntax.open}, which is not a token "
             "of this model's vocabulary",
@@ -77,7 +77,7 @@ def chat_plan(
         )
     if required:  # a named function is called once; "required" may call several
         named = req.tool_choice != "required"
-        constraint = syntax.grammar(required, req.parallel_tool_calls and not named, open_id)
+        constraint = syntax.grammar(required, req.parallel_tool_calls and not named, tags)
     params = req.sampling_params(
         req.completion_limit, req.num_logprobs, req.prompt_logprobs, constraint
     )

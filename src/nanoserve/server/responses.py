@@ -208,9 +208,14 @@ class ChatFormat(ResponseFormat):
     def _call_deltas(
         self, state: _Sent, text: str, done: bool, tools: ToolPlan
     ) -> list[dict[str, Any]]:
-        """The answer's new content (up to where a call may begin) and its new complete calls."""
+        """The answer's new content (up to where a call may begin) and its new complete calls.
+        Whitespace before a call is no content (the unary answer strips it): it waits for what
+        follows it."""
         first, calls = tools.syntax.split(text, set(tools.names))
-        end = first if first is not None else len(text) if done else tools.syntax.may_start(text)
+        if first is None and done:
+            end = len(text)
+        else:
+            end = len(text[: tools.syntax.may_start(text) if first is None else first].rstrip())
         deltas: list[dict[str, Any]] = []
         if end > state.content_sent and not state.ids and not tools.required:
             deltas.append({"content": text[state.content_sent : end]})
