@@ -169,6 +169,23 @@ async def test_the_thinking_budget_forces_the_end_of_the_thinking(server):
     assert reasoning == budgeted["message"]["reasoning_content"]
 
 
+async def test_a_prompt_that_opens_the_thinking_starts_the_output_in_it(qwen3_dir):
+    """DeepSeek-R1's templates end the prompt with <think>: the output is thinking from its
+    first token (no <think> of its own: banned here), and the budget counts from there."""
+    opened = QWEN3.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    assert opened != QWEN3
+    async with live_server(qwen3_dir, num_kv_blocks=BLOCKS, chat_template=opened) as s:
+        tok = s.engine.tokenizer
+        body = {**CITY, "max_tokens": 8, "thinking_token_budget": 2, "logprobs": True,
+                "return_tokens_as_token_ids": True,
+                "logit_bias": {str(tok.token_id("<think>")): -100}}  # fmt: skip
+        choice = await _unary(s, body)
+    ids = [int(t["token"].split(":")[1]) for t in choice["logprobs"]["content"]]
+    assert ids[2] == tok.token_id("</think>")
+    assert choice["message"]["reasoning_content"] == (tok.decode(ids[:2]).strip() or None)
+    assert choice["message"]["content"] == (tok.decode(ids[3:]).lstrip() or None)
+
+
 async def test_reasoning_effort_renders_the_thinking_off(server):
     """ "none" and "minimal" render with enable_thinking false (Qwen3's template closes an empty
     thinking in the prompt); "low" to "high" leave it on."""
