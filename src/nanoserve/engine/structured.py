@@ -204,8 +204,9 @@ def mask_logits(
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     allowed = torch.from_numpy(bits.view(np.bool_))
     for j, i in enumerate(rows):
-        if also is not None and also[i] is not None and also[i] < vocab:
-            allowed[j, also[i]] = True
+        token = also[i] if also is not None else None
+        if token is not None and token < vocab:
+            allowed[j, token] = True
     forbidden = ~allowed.to(logits.device)
     if len(rows) == logits.shape[0]:  # every row constrained: one pass
         return logits.masked_fill(forbidden, float("-inf"))

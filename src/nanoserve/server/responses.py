@@ -275,7 +275,8 @@ class ChatFormat(ResponseFormat):
 
     def _message(self, text: str) -> ChatMessageOut:
         """A finished choice's message: its thinking, its content and its calls."""
-        reasoning, content = None, text
+        reasoning: str | None = None
+        content: str | None = text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.answer(text)
         calls = []
