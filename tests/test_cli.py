@@ -117,6 +117,7 @@ def test_a_chat_template_that_does_not_compile_stops_the_start(tiny_model_dir, t
         (["--port", "80800"], ["--port must be an integer in 0..65535, got 80800"]),
         (["--port", "http"], ["--port", "invalid int value: 'http'"]),
         (["--quantization", "q2_k"], ["--quantization", "invalid choice: 'q2_k'"]),
+        (["--reasoning-parser", "r1"], ["--reasoning-parser", "invalid choice: 'r1'", "qwen3"]),
         (
             ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
             ["--speculative-config num_speculative_tokens must be an integer >= 1, got 0"],

@@ -150,7 +150,7 @@ def test_a_stream_of_snapshots_becomes_content_then_calls():
             deltas += [c.delta for c in chunk.choices]
             finishes += [c.finish_reason for c in chunk.choices if c.finish_reason]
     content = "".join(d.get("content", "") for d in deltas)
-    assert content == "Sure. "
+    assert content == "Sure."  # as the unary answer has it
     parts = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     assert parts[0]["function"] == {"name": "get_time", "arguments": ""} and parts[0]["id"]
     assert "".join(p["function"]["arguments"] for p in parts) == '{"zone": "UTC"}'
@@ -163,3 +163,14 @@ def test_a_stream_of_snapshots_becomes_content_then_calls():
         message.content == "Sure." and message.tool_calls[0].function.arguments == '{"zone": "UTC"}'
     )
     assert unary.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_tag_that_is_a_token_of_the_vocabulary_is_named_by_its_id():
+    """Qwen's <tool_call> is an added token, which llguidance reads as itself, never as its text:
+    the grammar names it (and Mistral's control token) by id; other text stays a string."""
+    tools = [{"name": "get_time", "parameters": {"type": "object"}}]
+    lark = HERMES.grammar(tools, False, {"<tool_call>": 7, "</tool_call>": 8}).grammar
+    assert lark.startswith('start: call\ncall: <[7]> "\\n" body "\\n" <[8]>\n')
+    plain = HERMES.grammar(tools, False).grammar
+    assert plain.startswith('start: call\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n')
+    assert MISTRAL.grammar(tools, True, {"[TOOL_CALLS]": 5}).grammar.startswith("start: <[5]> ")

@@ -89,12 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     _model_argument(chat)
     chat.add_argument("--system", help="a system message to start the conversation with")
     _sampling_flags(chat, max_tokens=1024, temperature=0.7, top_p=0.9)
-    _config_flags(chat, EngineConfig, without=PER_REQUEST)
+    _config_flags(chat, EngineConfig, without=SERVE_ONLY)
     gen = _command(commands, "generate", "complete prompts offline and print the text", _generate)
     _model_argument(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     _sampling_flags(gen, max_tokens=32, temperature=0.0, top_p=1.0)
-    _config_flags(gen, EngineConfig, without=PER_REQUEST)
+    _config_flags(gen, EngineConfig, without=SERVE_ONLY)
     worker = _command(
         commands, "worker", "run one tensor-parallel rank for a server on another machine "
         "(MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK set; the engine flags come from rank 0)",
@@ -153,8 +153,8 @@ def _model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 # chat and generate give every request --max-tokens: the engine's default for a request without
-# one is a serve flag only.
-PER_REQUEST = ("default_max_tokens",)
+# one is a serve flag only; so is the reasoning parser (they print the whole text).
+SERVE_ONLY = ("default_max_tokens", "reasoning_parser")
 
 
 def _config_flags(

@@ -24,6 +24,9 @@ BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
 QUANTIZATIONS = ("auto", "none", *BLOCK_FORMATS)
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # nanoserve.kernels' BACKENDS
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# How a reasoning model's thinking is told apart from its answer (server/reasoning.py): vLLM's
+# names, deepseek_r1 and qwen3, are the same <think>...</think> parser as think.
+REASONING_PARSERS = ("think", "deepseek_r1", "qwen3", "none")
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,12 @@ class EngineConfig:
     chat_template: str | None = setting(
         None, "a Jinja chat template (a file, or the template itself) instead of the model's",
         limit=TEMPLATE, unset="the model's own",
+    )  # fmt: skip
+    reasoning_parser: str | None = setting(
+        None, "how a reasoning model's thinking is told apart from its answer: think (<think> "
+        "... </think>; vLLM's deepseek_r1 and qwen3 are the same parser), or none (the "
+        "thinking stays in the content)", choices=REASONING_PARSERS,
+        unset="think where the chat template has <think> and </think>, else none",
     )  # fmt: skip
     grammar_compile_seconds: float = setting(
         0.8, "longest a structured-output constraint may take to compile; a longer one is "

@@ -168,6 +168,20 @@ class Tokenizer:
         """A conversation's prompt ids. Special tokens come only from the template: one typed
         inside a message (`<|im_end|>`, ...) is tokenized as the text it is, so a message cannot
         forge a turn of another role."""
+        return self.render_chat(
+            messages, add_generation_prompt, continue_final_message=continue_final_message,
+            **kwargs,
+        )[1]  # fmt: skip
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """A conversation's prompt as text and as ids (`encode_chat`'s)."""
         typed: list[str] = []
         nonce = secrets.token_hex(8)
 
@@ -181,7 +195,7 @@ class Tokenizer:
             shielded, add_generation_prompt, continue_final_message=continue_final_message, **kwargs
         )
         if not typed:
-            return self.encode(text, add_special_tokens=False)  # the template has the BOS
+            return text, self.encode(text, add_special_tokens=False)  # the template has the BOS
         pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
         ids: list[int] = []
         for i, piece in enumerate(pieces):
@@ -193,7 +207,8 @@ class Tokenizer:
                     .encode(typed[int(piece)], add_special_tokens=False)
                     .ids
                 )
-        return ids
+        plain = "".join(p if i % 2 == 0 else typed[int(p)] for i, p in enumerate(pieces))
+        return plain, ids
 
     def _literal_tokenizer(self) -> tokenizers.Tokenizer:
         if self._literal is None:

@@ -9,6 +9,7 @@ from nanoserve.engine.parallel.tp import WorkerFailed
 from nanoserve.engine.parallel.worker import worker_from_env
 from nanoserve.engine.sampling import Logprob, SamplingParams
 from nanoserve.engine.structured import GrammarError, StructuredOutputsParams, closed_schema
+from nanoserve.engine.thinking import ThinkingParams
 
 __all__ = [
     "Admitted",
@@ -25,6 +26,7 @@ __all__ = [
     "SchedulerStalled",
     "closed_schema",
     "StructuredOutputsParams",
+    "ThinkingParams",
     "WorkerFailed",
     "worker_from_env",
 ]

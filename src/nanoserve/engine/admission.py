@@ -88,6 +88,10 @@ class Admission:
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias),
             ("allowed_token_ids", params.allowed_token_ids or ()),
+            (
+                "thinking",
+                (params.thinking.start_ids + params.thinking.end_ids) if params.thinking else (),
+            ),
         ):
             if any(t >= vocab for t in ids):
                 raise RequestRejected(f"{name} must be token ids below the vocabulary size "

@@ -27,7 +27,7 @@ from nanoserve.engine.admission import Admission, Admitted, RequestRejected
 from nanoserve.engine.kv_manager import KVCacheManager
 from nanoserve.engine.memory import Pools, check_fits, gib, headroom, working_margin
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.outputs import RequestOutput, output_of
 from nanoserve.engine.parallel.executor import start_executor
 from nanoserve.engine.request import Request, Status
 from nanoserve.engine.sampling import SampleRow, SamplingParams, mix_seed, sample
@@ -35,6 +35,7 @@ from nanoserve.engine.scheduler import Proposer, ScheduledRequest, Scheduler
 from nanoserve.engine.spec.draft_model import DraftModelProposer
 from nanoserve.engine.spec.ngram import NgramProposer, SpecStats
 from nanoserve.engine.structured import CompiledGrammar, GrammarCompiler, mask_logits
+from nanoserve.engine.thinking import thinking_of
 from nanoserve.model import Checkpoint, open_checkpoint, resolve_dtype
 from nanoserve.tokenizer import IncrementalDetokenizer
 
@@ -242,6 +243,7 @@ class Engine:
             request.arrival_time = arrived
             if admitted.grammar is not None:
                 request.matcher = admitted.grammar.matcher.deep_copy()
+            request.thinking = thinking_of(params.thinking, admitted.grammar is not None)
             group.append(request)
         self._groups[request_id] = group
         for request in group:
@@ -256,7 +258,7 @@ class Engine:
             if not request.is_finished:
                 self.scheduler.remove(request)
                 request.finish("abort")
-        return self._output(group)
+        return output_of(group)
 
     def abort_all(self) -> None:
         """Abort every request (their blocks come back)."""
@@ -311,7 +313,10 @@ class Engine:
         ]
         if any(r.matcher is not None for r, _ in rows):  # never drafted: one row each
             start = time.perf_counter()
-            logits = mask_logits(logits, [r.matcher for r, _ in rows], self.grammars)
+            masks = [r.thinking.grammar(r.matcher) if r.thinking else (r.matcher, None)
+                     for r, _ in rows]  # fmt: skip
+            matchers, also = [m for m, _ in masks], [a for _, a in masks]
+            logits = mask_logits(logits, matchers, self.grammars, also)
             self._mask_s += time.perf_counter() - start
         samples = sample(logits, [self._sample_row(r, prefix) for r, prefix in rows])
         now = time.monotonic()
@@ -332,7 +337,7 @@ class Engine:
             self._computed += item.num_new_tokens
             if item.request.is_finished:
                 self.scheduler.remove(item.request)
-        outputs = [self._output(group) for group in touched.values()]
+        outputs = [output_of(group) for group in touched.values()]
         for out in outputs:
             if out.finished:
                 del self._groups[out.request_id]
@@ -364,7 +369,9 @@ class Engine:
         if position < p.min_tokens and request.matcher is None:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         output = request.output_token_ids + list(draft) if draft else request.output_token_ids
-        return SampleRow(p, request.seed, position, request.prompt_token_ids, output, banned)
+        forced = request.thinking.forced_token if request.thinking else None  # a tag's next
+        return SampleRow(p, request.seed, position, request.prompt_token_ids, output, banned,
+                         forced)  # fmt: skip
 
     def _append(
         self, request: Request, token: int, now: float, logprobs: dict | None = None
@@ -376,7 +383,9 @@ class Engine:
         self._generated += 1
         if request.first_token_time is None:
             request.first_token_time = now
-        if request.matcher is not None:
+        # A deferred grammar's matcher starts after the thinking (engine/thinking.py).
+        answer = request.thinking is None or request.thinking.append(token)
+        if request.matcher is not None and answer:
             request.matcher.consume_token(token)  # the mask allowed it
         if token in request.stop_token_ids:
             request.finish("stop", token)
@@ -397,28 +406,6 @@ class Engine:
         ):
             request.finish("length")
 
-    def _output(self, group: list[Request]) -> RequestOutput:
-        first = group[0]
-        return RequestOutput(
-            request_id=first.group_id,
-            prompt_token_ids=list(first.prompt_token_ids),
-            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
-            outputs=[_completion(r) for r in group],
-            finished=all(r.is_finished for r in group),
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=RequestMetrics(
-                arrival_time=first.arrival_time,
-                first_scheduled_time=first.first_scheduled_time,
-                first_token_time=min(
-                    (r.first_token_time for r in group if r.first_token_time), default=None
-                ),
-                finished_time=max(r.finished_time for r in group if r.finished_time)
-                if all(r.is_finished for r in group)
-                else None,
-                num_preemptions=sum(r.num_preemptions for r in group),
-            ),
-        )
-
     # -- checks -------------------------------------------------------------------------------
 
     def audit(self) -> None:
@@ -437,14 +424,3 @@ class Engine:
         """KV blocks in each rank's cache, rank 0 first (-1: a rank whose layers disagree).
         Under tensor parallelism a collective with every worker: call it between steps."""
         return self.executor.gather("cache_blocks")
-
-
-def _completion(request: Request) -> CompletionOutput:
-    return CompletionOutput(
-        index=request.index,
-        text=request.detokenizer.visible_text(),
-        token_ids=list(request.output_token_ids),
-        finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
-        logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
-    )

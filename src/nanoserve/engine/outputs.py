@@ -1,13 +1,17 @@
 """What the engine reports about a request: snapshots (fresh lists every time, never changed
 afterwards), safe to hand to another thread or task while the engine moves on. Shaped like vLLM's
-`RequestOutput`, lists included.
+`RequestOutput`, lists included; `output_of` takes one of a request's group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanoserve.engine.sampling import Logprob
+
+if TYPE_CHECKING:
+    from nanoserve.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -40,3 +44,38 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+
+
+def output_of(group: list[Request]) -> RequestOutput:
+    """A snapshot of a request: its `n` sequences (the group), as they stand."""
+    first = group[0]
+    return RequestOutput(
+        request_id=first.group_id,
+        prompt_token_ids=list(first.prompt_token_ids),
+        prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+        outputs=[_completion(r) for r in group],
+        finished=all(r.is_finished for r in group),
+        num_cached_tokens=first.num_cached_tokens,
+        metrics=RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min(
+                (r.first_token_time for r in group if r.first_token_time), default=None
+            ),
+            finished_time=max(r.finished_time for r in group if r.finished_time)
+            if all(r.is_finished for r in group)
+            else None,
+            num_preemptions=sum(r.num_preemptions for r in group),
+        ),
+    )
+
+
+def _completion(request: Request) -> CompletionOutput:
+    return CompletionOutput(
+        index=request.index,
+        text=request.detokenizer.visible_text(),
+        token_ids=list(request.output_token_ids),
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+    )

@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from nanoserve.engine.sampling import Logprob, SamplingParams
+from nanoserve.engine.thinking import Thinking
 from nanoserve.tokenizer import IncrementalDetokenizer
 
 
@@ -53,6 +54,9 @@ class Request:
     # Structured outputs: the llguidance matcher, advanced with each output token. It depends on
     # the output tokens alone, so a preemption (which recomputes only the cache) keeps it.
     matcher: Any = None
+    # A reasoning model's thinking, where the engine keeps a budget or defers the grammar until
+    # it ends (engine/thinking.py); like the matcher, it depends on the output tokens alone.
+    thinking: Thinking | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 
 from nanoserve.engine.structured import StructuredOutputsParams
+from nanoserve.engine.thinking import ThinkingParams
 
 _MASK64 = (1 << 63) - 1
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
@@ -48,6 +49,9 @@ class SamplingParams:
     # changes the logprobs, which are the model's own distribution.
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: list[int] | None = None
+    # A reasoning model's thinking (engine/thinking.py): a budget of tokens, after which its end
+    # tag is forced, and the constraint above deferred until the thinking has ended.
+    thinking: ThinkingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +99,12 @@ class SamplingParams:
                 "allowed_token_ids",
                 allowed is None or (len(allowed) > 0 and all(_int(t) and t >= 0 for t in allowed)),
                 "a non-empty list of token ids",
+            ),
+            (
+                "thinking",
+                self.thinking is None
+                or (isinstance(self.thinking, ThinkingParams) and self.thinking.valid()),
+                "ThinkingParams with token ids for its tags and a budget >= 0",
             ),
         ]
         for name, ok, rule in checks:
@@ -161,6 +171,7 @@ class SampleRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     banned_ids: Sequence[int] = ()  # e.g. EOS while min_tokens is not reached
+    forced: int | None = None  # the token this row takes, whatever its logits (a thinking's tag)
 
 
 @dataclass(frozen=True)
@@ -175,12 +186,15 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
     raw = logits
     logits = _apply_penalties_and_bans(logits, rows)
     tokens = logits.argmax(dim=-1)  # the greedy rows' answer; sampled rows are overwritten
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy and r.forced is None]
     if sampled:
         probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
         for j, i in enumerate(sampled):
             noise = torch.empty_like(probs[j]).exponential_(generator=_generator(rows[i], probs))
             tokens[i] = (probs[j] / noise).argmax()
+    for i, r in enumerate(rows):
+        if r.forced is not None:
+            tokens[i] = r.forced
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     ks = [rows[i].params.logprobs or 0 for i in wanted]
     by_row = dict(zip(wanted, token_logprobs(raw[wanted], tokens[wanted], ks), strict=True))
@@ -189,7 +203,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
 
 def _apply_penalties_and_bans(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     touched = [
-        i for i, r in enumerate(rows) if r.params.penalized or r.params.biased or r.banned_ids
+        i
+        for i, r in enumerate(rows)
+        if (r.params.penalized or r.params.biased or r.banned_ids) and r.forced is None
     ]
     if not touched:
         return logits

@@ -185,10 +185,14 @@ class GrammarCompiler:
 
 
 def mask_logits(
-    logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None], compiler: GrammarCompiler
+    logits: torch.Tensor,
+    matchers: list[llguidance.LLMatcher | None],
+    compiler: GrammarCompiler,
+    also: list[int | None] | None = None,
 ) -> torch.Tensor:
     """Logits [rows, vocab] with every token the row's matcher forbids set to -inf (rows without
-    a matcher unchanged). The masks are computed in one parallel call."""
+    a matcher unchanged), but the row's token in `also`, if any (a thinking's start tag, allowed
+    beside a grammar deferred to the answer). The masks are computed in one parallel call."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     vocab = logits.shape[1]
     if not rows:
@@ -198,7 +202,12 @@ def mask_logits(
     pairs = [(m, j) for j, m in enumerate(m for m in matchers if m is not None)]
     compiler.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(rows))
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    forbidden = ~torch.from_numpy(bits.view(np.bool_)).to(logits.device)
+    allowed = torch.from_numpy(bits.view(np.bool_))
+    for j, i in enumerate(rows):
+        token = also[i] if also is not None else None
+        if token is not None and token < vocab:
+            allowed[j, token] = True
+    forbidden = ~allowed.to(logits.device)
     if len(rows) == logits.shape[0]:  # every row constrained: one pass
         return logits.masked_fill(forbidden, float("-inf"))
     logits = logits.clone()

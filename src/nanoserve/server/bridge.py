@@ -49,6 +49,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.grammars = engine.grammars  # thread-safe: handlers compile in worker threads
         self.max_model_len = engine.max_model_len
+        self.reasoning_parser = engine.config.reasoning_parser  # None: from the chat template
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.metrics.on_start(

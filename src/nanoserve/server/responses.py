@@ -1,6 +1,7 @@
 """OpenAI response bodies from the engine's cumulative snapshots: a unary response, or the
-per-choice delta chunks of a stream (with logprobs in each API's shape). One `ResponseFormat` per
-request owns what that request's stream has sent so far; nothing else.
+per-choice delta chunks of a stream (with logprobs in each API's shape): the base, and chat's
+(legacy completions' are in completion_format.py). One `ResponseFormat` per request owns what
+that request's stream has sent so far; nothing else.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from nanoserve.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessageOut,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
     FunctionCall,
     PromptLogprob,
     PromptTokensDetails,
@@ -31,6 +29,7 @@ from nanoserve.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from nanoserve.server.reasoning import Reasoning
 from nanoserve.server.tools import ToolSyntax
 from nanoserve.tokenizer import Tokenizer
 
@@ -108,141 +107,6 @@ class ResponseFormat:
         return self.usage(sum(self.sent_tokens.values()))
 
 
-class CompletionFormat(ResponseFormat):
-    """Legacy completions. With `echo` the prompt's text comes first (in a stream: in the first
-    chunk of each choice, which is sent once the prompt is computed, so that it can carry the
-    prompt's logprobs); with echo and `logprobs` the prompt tokens lead the logprobs (the first
-    one has none); with `prompt_logprobs` each choice carries vLLM's `prompt_logprobs` list."""
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        request_id: str,
-        model: str,
-        params: SamplingParams,
-        echo: list[str] | None,
-        prompt_logprobs: bool = False,
-    ):
-        super().__init__(tokenizer, request_id, model, params)
-        self.echo = echo
-        self.prompt_logprobs = prompt_logprobs
-        self.offsets: dict[int, int] = {}
-        self.opened: set[int] = set()
-
-    def chunks(self, prompt_index: int, out: RequestOutput) -> list[BaseModel]:
-        openings = []
-        if self.echo is not None or self.prompt_logprobs:
-            for c in out.outputs:
-                index = prompt_index * self.n + c.index
-                if index not in self.opened:
-                    self.opened.add(index)
-                    openings.append(self._body([self._prompt_choice(index, prompt_index, out)]))
-        return openings + super().chunks(prompt_index, out)
-
-    def chunk(self, index: int, c: CompletionOutput, delta: str, start: int) -> BaseModel:
-        choice = CompletionChoice(
-            index=index,
-            text=delta,
-            logprobs=self._logprobs(index, c, start),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-        )
-        return self._body([choice])
-
-    def response(self, finals: Sequence[RequestOutput]) -> BaseModel:
-        self.cached_tokens = {p: out.num_cached_tokens for p, out in enumerate(finals)}
-        choices = []
-        for p, out in enumerate(finals):
-            for c in out.outputs:
-                index = p * self.n + c.index
-                head = self._prompt_choice(index, p, out)
-                tail = self._logprobs(index, c, 0)
-                choices.append(
-                    CompletionChoice(
-                        index=index,
-                        text=head.text + c.text,
-                        logprobs=_joined(head.logprobs, tail),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        prompt_logprobs=head.prompt_logprobs,
-                    )
-                )
-        completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
-        return self._body(choices, self.usage(completion))
-
-    def usage_chunk(self) -> BaseModel:
-        return self._body([], self.streamed_usage())
-
-    def _body(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> BaseModel:
-        return CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-
-    def _prompt_choice(self, index: int, prompt_index: int, out: RequestOutput) -> CompletionChoice:
-        """The prompt's part of a choice: its text and logprobs when echoed, vLLM's
-        prompt_logprobs when asked for. Sets where the completion's text offsets start."""
-        text = self.echo[prompt_index] if self.echo is not None else ""
-        self.offsets[index] = len(text)
-        logprobs = None
-        if self.echo is not None and self.num_logprobs is not None:
-            logprobs = self._prompt_logprobs(out)
-        vllm = None
-        if self.prompt_logprobs and out.prompt_logprobs is not None:
-            vllm = [None if e is None else self._vllm_entries(e) for e in out.prompt_logprobs]
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=vllm)
-
-    def _prompt_logprobs(self, out: RequestOutput) -> CompletionLogprobs:
-        ids = out.prompt_token_ids
-        entries = out.prompt_logprobs or [None] * len(ids)
-        pairs = list(zip(ids, entries, strict=True))
-        top_n = self.num_logprobs or 0
-        offsets, at = [], 0
-        for t in ids:  # special tokens (BOS) are not in the echoed text
-            offsets.append(at)
-            at += 0 if t in self.tok.all_special_ids else len(self.tok.token_text(t))
-        return CompletionLogprobs(
-            tokens=[self.token_name(t) for t in ids],
-            token_logprobs=[None if e is None else e[t].logprob for t, e in pairs],
-            top_logprobs=[None if e is None else self._top(t, e, top_n) for t, e in pairs],
-            text_offset=offsets,
-        )
-
-    def _top(self, token: int, entry: dict[int, Logprob], top_n: int) -> dict[str, float]:
-        """The prompt token and the `top_n` most likely ones at its position."""
-        chosen = {k: v for k, v in entry.items() if k == token or v.rank <= top_n}
-        return {self.token_name(k): v.logprob for k, v in chosen.items()}
-
-    def _logprobs(self, index: int, c: CompletionOutput, start: int) -> CompletionLogprobs | None:
-        if c.logprobs is None:
-            return None
-        ids, entries = c.token_ids[start:], c.logprobs[start:]
-        tokens = [self.token_name(t) for t in ids]
-        offsets, at = [], self.offsets.get(index, 0)
-        for t in ids:
-            offsets.append(at)
-            at += len(self.tok.token_text(t))
-        self.offsets[index] = at
-        return CompletionLogprobs(
-            tokens=tokens,
-            token_logprobs=[e[t].logprob for t, e in zip(ids, entries, strict=False)],
-            top_logprobs=[{self.token_name(k): v.logprob for k, v in e.items()} for e in entries],
-            text_offset=offsets,
-        )
-
-
-def _joined(
-    head: CompletionLogprobs | None, tail: CompletionLogprobs | None
-) -> CompletionLogprobs | None:
-    if head is None or tail is None:
-        return head or tail
-    return CompletionLogprobs(
-        tokens=head.tokens + tail.tokens,
-        token_logprobs=head.token_logprobs + tail.token_logprobs,
-        top_logprobs=head.top_logprobs + tail.top_logprobs,
-        text_offset=head.text_offset + tail.text_offset,
-    )
-
-
 @dataclass(frozen=True)
 class ToolPlan:
     """The tools a chat request offered: how their calls look, and their names. `required`: a
@@ -255,18 +119,21 @@ class ToolPlan:
 
 
 @dataclass
-class _Calls:
-    """What a streamed choice has sent of its tool calls."""
+class _Sent:
+    """What a streamed choice has sent of its thinking, its content and its tool calls."""
 
-    content_sent: int = 0  # characters of the text sent as content
+    reasoning_sent: int = 0  # characters of the thinking sent
+    content_sent: int = 0  # characters of the answer sent as content
     ids: list[str] = field(default_factory=list)
 
 
 class ChatFormat(ResponseFormat):
-    """Chat completions. With tools, each choice's text is read for calls: before the first one
-    it is content; each complete call becomes a `tool_calls` entry (streamed: its id and name,
-    then its arguments), and the choice ends with finish_reason "tool_calls". When a call was
-    required, the text is never content: a call cut short is no call, and no markup."""
+    """Chat completions. With a reasoning parser, each choice's thinking is `reasoning_content`
+    (and `reasoning`, vLLM's newer name), apart from the answer, which alone is content and is
+    read for tool calls. With tools, the answer is read for calls: before the first one it is
+    content; each complete call becomes a `tool_calls` entry (streamed: its id and name, then its
+    arguments), and the choice ends with finish_reason "tool_calls". When a call was required,
+    the answer is never content: a call cut short is no call, and no markup."""
 
     def __init__(
         self,
@@ -275,10 +142,12 @@ class ChatFormat(ResponseFormat):
         model: str,
         params: SamplingParams,
         tools: ToolPlan | None = None,
+        reasoning: Reasoning | None = None,
     ):
         super().__init__(tokenizer, request_id, model, params)
         self.tools = tools
-        self.calls: dict[int, _Calls] = {}
+        self.reasoning = reasoning
+        self.sent: dict[int, _Sent] = {}
         self.prompt_logprobs = params.prompt_logprobs is not None  # vLLM's, unary only
 
     def opening(self, num_prompts: int) -> list[BaseModel]:
@@ -288,45 +157,35 @@ class ChatFormat(ResponseFormat):
         ]
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[BaseModel]:
-        if self.tools is None:
+        if self.tools is None and self.reasoning is None:
             return super().chunks(prompt_index, out)
         self.cached_tokens[prompt_index] = out.num_cached_tokens
         result = []
         for c in out.outputs:
             index = prompt_index * self.n + c.index
             if index not in self.finished:
-                result += self._tool_chunks(index, c, self.tools)
+                result += self._read_chunks(index, c)
         return result
 
-    def _tool_chunks(self, index: int, c: CompletionOutput, tools: ToolPlan) -> list[BaseModel]:
-        state = self.calls.setdefault(index, _Calls())
+    def _read_chunks(self, index: int, c: CompletionOutput) -> list[BaseModel]:
+        """A choice's new chunks, its text read for thinking and calls: each part is sent as
+        far as it can no longer change."""
+        state = self.sent.setdefault(index, _Sent())
         done = c.finish_reason is not None
-        first, calls = tools.syntax.split(c.text, set(tools.names))
-        if first is not None:
-            end = first
-        else:
-            end = len(c.text) if done else tools.syntax.may_start(c.text)
+        answer = c.text
         deltas: list[dict[str, Any]] = []
-        if end > state.content_sent and not state.ids and not tools.required:
-            deltas.append({"content": c.text[state.content_sent : end]})
-            state.content_sent = end
-        for k, call in enumerate(calls[len(state.ids) :], start=len(state.ids)):
-            state.ids.append(tools.syntax.call_id())
-            deltas.append(
-                {
-                    "tool_calls": [
-                        {
-                            "index": k,
-                            "id": state.ids[k],
-                            "type": "function",
-                            "function": {"name": call["name"], "arguments": ""},
-                        }
-                    ]
-                }
-            )
-            deltas.append(
-                {"tool_calls": [{"index": k, "function": {"arguments": call["arguments"]}}]}
-            )
+        if self.reasoning is not None:
+            split = self.reasoning.split(c.text, final=done)
+            if len(split.reasoning) > state.reasoning_sent:
+                new = split.reasoning[state.reasoning_sent :]
+                deltas.append({"reasoning_content": new, "reasoning": new})
+                state.reasoning_sent = len(split.reasoning)
+            answer = split.content
+        if self.tools is not None:
+            deltas += self._call_deltas(state, answer, done, self.tools)
+        elif len(answer) > state.content_sent:
+            deltas.append({"content": answer[state.content_sent :]})
+            state.content_sent = len(answer)
         start = self.sent_tokens.get(index, 0)
         if done:
             self.finished.add(index)
@@ -346,6 +205,40 @@ class ChatFormat(ResponseFormat):
             self.sent_tokens[index] = len(c.token_ids)
         return result
 
+    def _call_deltas(
+        self, state: _Sent, text: str, done: bool, tools: ToolPlan
+    ) -> list[dict[str, Any]]:
+        """The answer's new content (up to where a call may begin) and its new complete calls.
+        Whitespace before a call is no content (the unary answer strips it): it waits for what
+        follows it."""
+        first, calls = tools.syntax.split(text, set(tools.names))
+        if first is None and done:
+            end = len(text)
+        else:
+            end = len(text[: tools.syntax.may_start(text) if first is None else first].rstrip())
+        deltas: list[dict[str, Any]] = []
+        if end > state.content_sent and not state.ids and not tools.required:
+            deltas.append({"content": text[state.content_sent : end]})
+            state.content_sent = end
+        for k, call in enumerate(calls[len(state.ids) :], start=len(state.ids)):
+            state.ids.append(tools.syntax.call_id())
+            deltas.append(
+                {
+                    "tool_calls": [
+                        {
+                            "index": k,
+                            "id": state.ids[k],
+                            "type": "function",
+                            "function": {"name": call["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+            deltas.append(
+                {"tool_calls": [{"index": k, "function": {"arguments": call["arguments"]}}]}
+            )
+        return deltas
+
     def chunk(self, index: int, c: CompletionOutput, delta: str, start: int) -> BaseModel:
         choice = ChatChunkChoice(
             index=index,
@@ -361,16 +254,7 @@ class ChatFormat(ResponseFormat):
         self.cached_tokens = {0: out.num_cached_tokens}
         choices = []
         for c in out.outputs:
-            message = ChatMessageOut(content=c.text)
-            if self.tools is not None:
-                content, calls = self.tools.syntax.parse(c.text, set(self.tools.names))
-                message = ChatMessageOut(
-                    content=None if self.tools.required else content,
-                    tool_calls=[
-                        ToolCall(id=self.tools.syntax.call_id(), function=FunctionCall(**call))
-                        for call in calls
-                    ],
-                )
+            message = self._message(c.text)
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -388,6 +272,24 @@ class ChatFormat(ResponseFormat):
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
             prompt_logprobs=scored,
         )  # fmt: skip
+
+    def _message(self, text: str) -> ChatMessageOut:
+        """A finished choice's message: its thinking, its content and its calls."""
+        reasoning: str | None = None
+        content: str | None = text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.answer(text)
+        calls = []
+        tools = self.tools
+        if tools is not None and content is not None:
+            content, found = tools.syntax.parse(content, set(tools.names))
+            calls = [ToolCall(id=tools.syntax.call_id(), function=FunctionCall(**call))
+                     for call in found]  # fmt: skip
+        if tools is not None and tools.required:
+            content = None
+        return ChatMessageOut(
+            content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls
+        )
 
     def usage_chunk(self) -> BaseModel:
         return self._chunk([], self.streamed_usage())

@@ -28,6 +28,8 @@ from quart import Response, g, request
 from nanoserve.engine import RequestOutput, SamplingParams
 from nanoserve.server.access import AccessRecord, printable
 from nanoserve.server.bridge import Serving
+from nanoserve.server.chat_plan import chat_inputs, chat_plan
+from nanoserve.server.completion_format import CompletionFormat
 from nanoserve.server.errors import ModelNotFound, error_info, error_response, too_large
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
@@ -42,8 +44,8 @@ from nanoserve.server.protocol import (
     message_dicts,
     parse,
 )
-from nanoserve.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ToolPlan
-from nanoserve.server.tools import render_history, syntax_for
+from nanoserve.server.reasoning import parser_for
+from nanoserve.server.responses import ChatFormat, ResponseFormat
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class OpenAIServer:
     ):
         self.serving = serving
         self.tokenizer = serving.tokenizer
+        # How a reasoning model's thinking is told apart from its answer (None: it is not)
+        self.reasoning = parser_for(serving.reasoning_parser, self.tokenizer.chat_template)
         self.model_name = model_name
         self.model_names = {model_name, *aliases}  # what a request may call the model
         self.root = next(iter(aliases), model_name)  # the path it was loaded from, as given
@@ -132,48 +136,18 @@ class OpenAIServer:
         )
         self._check_model(req.model)
         req.check_sequences(1)
-        syntax, native = syntax_for(self.tokenizer.chat_template)
-        messages = message_dicts(req.messages)
-        offered = req.offered_tools()
-        kwargs = req.chat_template_kwargs or {}
-        if offered or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
-            messages, variables = render_history(messages, offered, native, syntax)
-            kwargs = {**kwargs, **variables}
-        token_ids = await self._encode_chat(
-            messages, req.add_generation_prompt, kwargs, req.continue_final_message
+        inputs = chat_inputs(req, self.tokenizer.chat_template)
+        prompt, token_ids = await self._encode_chat(
+            inputs.messages, req.add_generation_prompt, inputs.kwargs, req.continue_final_message
         )
-        constraint = req.constraint()
-        required = req.required_tools()
-        if offered and constraint is not None and req.tool_choice != "none":
-            raise InvalidRequest(
-                "response_format and structured outputs cannot be combined with tools unless "
-                'tool_choice is "none"',
-                "tools",
-            )
-        open_id = self.tokenizer.token_id(syntax.open) if syntax.special else None
-        if syntax.special and open_id is None and (offered or required):
-            raise InvalidRequest(
-                f"tools: the chat template calls tools with {syntax.open}, which is not a token "
-                "of this model's vocabulary",
-                "tools",
-            )
-        if required:  # a named function is called once; "required" may call several
-            named = req.tool_choice != "required"
-            constraint = syntax.grammar(required, req.parallel_tool_calls and not named, open_id)
-        params = req.sampling_params(
-            req.completion_limit, req.num_logprobs, req.prompt_logprobs, constraint
-        )
-        if offered and syntax.special:  # the calls start with a control token: keep it in text
-            params.skip_special_tokens = False
-        tools = None
-        if offered:
-            tools = ToolPlan(syntax, frozenset(t["name"] for t in offered), bool(required))
+        plan = chat_plan(req, self.tokenizer, self.reasoning, inputs, prompt)
         fmt = ChatFormat(
-            self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, params, tools
-        )
+            self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, plan.params,
+            plan.tools, plan.reasoning,
+        )  # fmt: skip
         if req.return_tokens_as_token_ids:
             fmt.name_tokens_by_id()
-        return await self._respond(fmt, req.stream, _usage(req), [token_ids], params)
+        return await self._respond(fmt, req.stream, _usage(req), [token_ids], plan.params)
 
     async def models(self) -> Response:
         return _json(ModelList(data=[self._card()]))
@@ -199,7 +173,7 @@ class OpenAIServer:
         self._check_model(req.model)
         if req.messages is not None:
             messages = message_dicts(req.messages)
-            tokens = await self._encode_chat(
+            _, tokens = await self._encode_chat(
                 messages, req.add_generation_prompt, {}, req.continue_final_message
             )
         else:
@@ -368,7 +342,8 @@ class OpenAIServer:
         add_generation_prompt: bool,
         kwargs: dict[str, Any],
         continue_final: bool = False,
-    ) -> list[int]:
+    ) -> tuple[str, list[int]]:
+        """The rendered chat's text and ids."""
         chars = sum(len(m["content"]) for m in messages)  # at least: the template adds more
         self._check_length(chars, "messages")
         render = partial(self._render_chat, messages, add_generation_prompt, kwargs, continue_final)
@@ -382,9 +357,9 @@ class OpenAIServer:
         add_generation_prompt: bool,
         kwargs: dict[str, Any],
         continue_final: bool,
-    ) -> list[int]:
+    ) -> tuple[str, list[int]]:
         try:
-            return self.tokenizer.encode_chat(
+            return self.tokenizer.render_chat(
                 messages, add_generation_prompt, continue_final_message=continue_final, **kwargs
             )
         except ValueError as e:

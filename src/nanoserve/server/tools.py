@@ -17,6 +17,7 @@ import re
 import secrets
 import string
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +35,14 @@ class ToolSyntax:
     id_chars: int = 0  # call ids of this many letters and digits (Mistral's 9); 0: "call_..."
 
     def grammar(
-        self, tools: list[dict[str, Any]], parallel: bool, open_id: int | None = None
+        self, tools: list[dict[str, Any]], parallel: bool, tags: Mapping[str, int] | None = None
     ) -> StructuredOutputsParams:
         """A call (or several, when `parallel`) of one of `tools`, its arguments matching that
-        function's JSON schema. open_id: the token id of a `special` opener."""
+        function's JSON schema. `tags`: the syntax's tags (`tags()`) that are tokens of the
+        vocabulary, and their ids: the grammar names those tokens (llguidance reads an added
+        token as itself, never as its text: Qwen's `<tool_call>` is one, Mistral's control
+        token too)."""
+        tags = tags or {}
         # Each tool's schema sits inside the call's; its local `$ref`s are made to point there.
         at = [""] if len(tools) == 1 else [f"/anyOf/{k}" for k in range(len(tools))]
         bodies = [
@@ -60,11 +65,11 @@ class ToolSyntax:
         # show them: at most one space between two tokens.
         body = {**body, "x-guidance": {"whitespace_pattern": "[ ]?"}}
         if self.listed:  # [TOOL_CALLS] [{...}, {...}]
-            opener = f"<[{open_id}]>" if self.special else json.dumps(self.open)
+            opener = " ".join(self._literal(self.open, tags))
             more = ' ("," " "? body)*' if parallel else ""
             lark = f'start: {opener} " "? "[" body{more} "]"\nbody: %json {json.dumps(body)}\n'
             return StructuredOutputsParams(grammar=lark, param="tools")
-        call = " ".join([*self._literal(self.open), "body", *self._literal(self.close)])
+        call = " ".join([*self._literal(self.open, tags), "body", *self._literal(self.close, tags)])
         separator = '"\\n"' if self.open else '"; "'
         repeat = f" ({separator} call)*" if parallel else ""
         lark = f"start: call{repeat}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
@@ -84,9 +89,15 @@ class ToolSyntax:
             return given
         return re.sub("[^A-Za-z0-9]", "", given)[-self.id_chars :].rjust(self.id_chars, "0")
 
+    def tags(self) -> list[str]:
+        """What opens and closes a call, less whitespace (`<tool_call>`, `[TOOL_CALLS]`)."""
+        return [t for t in (self.open.strip(), self.close.strip()) if t]
+
     @staticmethod
-    def _literal(text: str) -> list[str]:
-        return [json.dumps(text)] if text else []
+    def _literal(text: str, tags: Mapping[str, int]) -> list[str]:
+        """`text` as a grammar's items: each of `tags` by its token id, the rest as strings."""
+        pieces = re.split("(" + "|".join(map(re.escape, tags)) + ")", text) if tags else [text]
+        return [f"<[{tags[p]}]>" if p in tags else json.dumps(p) for p in pieces if p]
 
     def parse(self, text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
         """The content before the first call (None if only whitespace) and the calls, each

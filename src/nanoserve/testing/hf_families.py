@@ -2,11 +2,14 @@
 transformers itself (`save_pretrained`), with the demo's byte-level BPE tokenizer; and SmolLM2
 as a float checkpoint (`smollm2_checkpoint`), for llama.cpp's converter and quantizer. Weights are
 redrawn with the demo's gains (biases and norms too, which transformers initializes to 0 and 1)
-so that greedy decoding depends on every tensor. For the family oracle tests.
+so that greedy decoding depends on every tensor. For the family oracle tests. And a Qwen3 chat
+model (Qwen's chat tokens, a chat template of the caller's) that `memorize` can train to write
+given answers: a random model does not write `<think>` or `<tool_call>` on its own.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import tempfile
@@ -15,9 +18,10 @@ from typing import Any
 
 import torch
 import transformers
+from tokenizers import AddedToken, Tokenizer
 
 from nanoserve.default_model import default_model_path
-from nanoserve.demo import write_checkpoint
+from nanoserve.demo import build_tokenizer, write_checkpoint
 
 CONFIGS = {
     "llama": transformers.LlamaConfig,
@@ -41,6 +45,10 @@ SMALL = dict(
     eos_token_id=1020,
 )
 GAINS = {"q_proj": 3.0, "o_proj": 8.0, "down_proj": 8.0}  # as nanoserve.demo draws them
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Tokens of their own in Qwen3's vocabulary, and not special: they stay in the decoded text.
+QWEN_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+             "</tool_response>"]  # fmt: skip
 
 
 def write_family_checkpoint(path: Path, family: str, seed: int = 0, **config: Any) -> Path:
@@ -101,3 +109,59 @@ def smollm2_checkpoint(out: Path) -> Path:
     plain.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw).save_pretrained(out)
     return out
+
+
+def qwen3_tokenizer() -> Tokenizer:
+    """The demo's byte-level BPE with Qwen's chat tokens added (QWEN_SPECIAL, QWEN_TAGS)."""
+    tok = build_tokenizer()
+    tok.add_special_tokens(QWEN_SPECIAL)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_TAGS])
+    return tok
+
+
+def write_qwen3_chat_checkpoint(path: Path, chat_template: str, seed: int = 0) -> Path:
+    """A random Qwen3 model with `qwen3_tokenizer()` and `chat_template`, its turns ending with
+    <|im_end|> (its EOS), as Qwen3's; returns `path`."""
+    tok = qwen3_tokenizer()
+    ids = {name: tok.token_to_id(name) for name in QWEN_SPECIAL}
+    write_family_checkpoint(
+        path, "qwen3", seed, head_dim=32, vocab_size=tok.get_vocab_size(),
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+    )  # fmt: skip
+    (path / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "chat_template": chat_template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return path
+
+
+def memorize(path: Path, examples: list[tuple[list[int], list[int]]], steps: int = 400) -> None:
+    """Train the checkpoint at `path`, in place, until greedy decoding after each example's
+    prompt writes its answer (both token ids): a random model that writes what a test needs.
+    Full-batch Adam on the answers' tokens, stopped once every one of them is the argmax."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(0)
+    width = max(len(p) + len(a) for p, a in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    labels = torch.full_like(ids, -100)  # the prompts' positions teach nothing
+    for row, (prompt, answer) in enumerate(examples):
+        ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    taught = labels[:, 1:] != -100
+    for _ in range(steps):
+        logits = model(ids).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:])
+        if (logits.argmax(-1)[taught] == labels[:, 1:][taught]).all() and loss < 0.05:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    else:
+        raise AssertionError(f"the answers were not learnt in {steps} steps (loss {loss:.3f})")
+    model.save_pretrained(path)

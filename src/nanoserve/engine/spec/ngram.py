@@ -48,8 +48,9 @@ class NgramProposer:
 def draft_room(request: Request, k: int, max_model_len: int) -> int:
     """The most draft tokens a decoding request may take: `k`, and never more than it may still
     generate after the token its last position yields. A constrained request (a grammar) gets
-    none: its matcher advances one sampled token at a time."""
-    if request.matcher is not None:
+    none: its matcher advances one sampled token at a time; nor does one whose thinking the
+    engine follows (its tags may be forced)."""
+    if request.matcher is not None or request.thinking is not None:
         return 0
     return min(
         k,

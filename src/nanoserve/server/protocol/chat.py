@@ -45,6 +45,9 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result answers this call
+    # An assistant's thinking, as a response gave it (vLLM's older name and its newer one)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -74,6 +77,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_calls and m.role != "assistant":
             raise InvalidRequest("only assistant messages have tool_calls", f"messages.{i}")
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if (thinking := _reasoning(m, i)) is not None:
+            # Qwen3's template reads reasoning_content (and shows it for the turns after the
+            # last question only); others may read reasoning.
+            d["reasoning_content"] = d["reasoning"] = thinking
         if m.name:
             d["name"] = m.name
         if m.tool_calls:
@@ -82,6 +89,17 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
+
+
+def _reasoning(m: ChatMessage, i: int) -> str | None:
+    """An assistant message's thinking, by either name (the same text if both are given)."""
+    given = [t for t in (m.reasoning_content, m.reasoning) if t is not None]
+    if given and m.role != "assistant":
+        raise InvalidRequest("only assistant messages have reasoning_content", f"messages.{i}")
+    if len(set(given)) > 1:
+        raise InvalidRequest("reasoning_content and reasoning differ: give one",
+                             f"messages.{i}.reasoning")  # fmt: skip
+    return given[0] if given else None
 
 
 class FunctionSpec(StrictModel):
@@ -121,7 +139,9 @@ class ChatCompletionRequest(GenerationRequest):
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
-    reasoning_effort: str | None = None
+    # OpenAI's: "none" and "minimal" turn a reasoning model's thinking off (server/reasoning.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    thinking_token_budget: int | None = Field(None, ge=0)  # vLLM's: then </think> is forced
     web_search_options: Any = None
     continue_final_message: bool = False
     echo: bool = False
@@ -134,7 +154,6 @@ class ChatCompletionRequest(GenerationRequest):
             "audio": self.audio is not None,
             "modalities": (self.modalities or ["text"]) != ["text"],
             "prediction": self.prediction is not None,
-            "reasoning_effort": self.reasoning_effort is not None,
             "web_search_options": self.web_search_options is not None,
             "echo": self.echo,
         }
@@ -209,6 +228,9 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # A reasoning model's thinking, apart from the content: vLLM's older name and its newer one
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -233,7 +255,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}; {} at the end
+    # {"role": ...} first, then {"reasoning_content": ..., "reasoning": ...} (the thinking),
+    # {"content": ...} or {"tool_calls": [...]}; {} at the end
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None

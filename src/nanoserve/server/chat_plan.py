@@ -1,0 +1,125 @@
+"""A chat request made ready for the engine, in two halves around the template's render: what
+the template gets (the messages, the tools, the thinking switched on or off), then the sampling
+parameters (a required call's grammar or the request's own constraint; the thinking the engine
+follows: its budget, a constraint deferred to the answer) and how the answer is read back (its
+tool calls, its thinking). Owns nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanoserve.engine import SamplingParams, ThinkingParams
+from nanoserve.server.protocol import ChatCompletionRequest, InvalidRequest, message_dicts
+from nanoserve.server.reasoning import Reasoning, ReasoningSyntax, thinking_switch
+from nanoserve.server.responses import ToolPlan
+from nanoserve.server.tools import ToolSyntax, render_history, syntax_for
+from nanoserve.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ChatInputs:
+    """What the chat template renders: `messages` and its variables (`kwargs`); `thinking`:
+    the request left the thinking on; the tools offered and their family's call syntax."""
+
+    messages: list[dict[str, Any]]
+    kwargs: dict[str, Any]
+    thinking: bool
+    syntax: ToolSyntax
+    offered: list[dict[str, Any]] | None
+
+
+def chat_inputs(req: ChatCompletionRequest, chat_template: str | None) -> ChatInputs:
+    syntax, native = syntax_for(chat_template)
+    messages = message_dicts(req.messages)
+    offered = req.offered_tools()
+    given = req.chat_template_kwargs or {}
+    kwargs, thinking = thinking_switch(req.reasoning_effort, given, chat_template)
+    if offered or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+        messages, variables = render_history(messages, offered, native, syntax)
+        kwargs = {**kwargs, **variables}
+    return ChatInputs(messages, kwargs, thinking, syntax, offered)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """The engine's parameters, and how the answer is read back."""
+
+    params: SamplingParams
+    tools: ToolPlan | None
+    reasoning: Reasoning | None
+
+
+def chat_plan(
+    req: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    parser: ReasoningSyntax | None,
+    inputs: ChatInputs,
+    prompt: str,
+) -> ChatPlan:
+    """`prompt`: the rendered chat's text."""
+    syntax, offered = inputs.syntax, inputs.offered
+    constraint = req.constraint()
+    required = req.required_tools()
+    if offered and constraint is not None and req.tool_choice != "none":
+        raise InvalidRequest(
+            "response_format and structured outputs cannot be combined with tools unless "
+            'tool_choice is "none"',
+            "tools",
+        )
+    tags = {t: i for t in syntax.tags() if (i := tokenizer.token_id(t)) is not None}
+    if syntax.special and syntax.open not in tags and (offered or required):
+        raise InvalidRequest(
+            f"tools: the chat template calls tools with {syntax.open}, which is not a token "
+            "of this model's vocabulary",
+            "tools",
+        )
+    if required:  # a named function is called once; "required" may call several
+        named = req.tool_choice != "required"
+        constraint = syntax.grammar(required, req.parallel_tool_calls and not named, tags)
+    params = req.sampling_params(
+        req.completion_limit, req.num_logprobs, req.prompt_logprobs, constraint
+    )
+    if offered and syntax.special:  # the calls start with a control token: keep it in text
+        params.skip_special_tokens = False
+    tools = None
+    if offered:
+        tools = ToolPlan(syntax, frozenset(t["name"] for t in offered), bool(required))
+    reasoning = _reasoning(req, tokenizer, parser, inputs, prompt, params)
+    return ChatPlan(params, tools, reasoning)
+
+
+def _reasoning(
+    req: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    parser: ReasoningSyntax | None,
+    inputs: ChatInputs,
+    prompt: str,
+    params: SamplingParams,
+) -> Reasoning | None:
+    """How the output's thinking is read: where it starts (in the prompt, or in the output),
+    and what the engine follows of it (a budget; a constraint deferred to the answer, so that the
+    model thinks first). Sets `params` to match."""
+    budget = req.thinking_token_budget
+    if parser is None:
+        if budget is not None:
+            raise InvalidRequest(
+                "thinking_token_budget needs a reasoning parser: this model's chat template "
+                "writes no <think> and </think>, or the server runs with --reasoning-parser none",
+                "thinking_token_budget",
+            )
+        return None
+    messages = inputs.messages[:-1] if req.continue_final_message else inputs.messages
+    last = messages[-1]["content"] if messages else ""
+    started = parser.left_open(prompt, last)
+    start = tokenizer.encode(parser.start, add_special_tokens=False)
+    end = tokenizer.encode(parser.end, add_special_tokens=False)
+    if set(start + end) & tokenizer.all_special_ids:  # the tags must stay in the text
+        params.skip_special_tokens = False
+    # Thinking is on unless the request switched it off, and always where the prompt opened it;
+    # the engine follows it for a budget, or to start a constraint after it.
+    engine_follows = budget is not None or params.structured_outputs is not None
+    if (inputs.thinking or started) and engine_follows:
+        params.thinking = ThinkingParams(tuple(start), tuple(end), started, budget)
+    return Reasoning(parser, started)
