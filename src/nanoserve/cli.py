@@ -302,6 +302,8 @@ def _serve(args: argparse.Namespace) -> int:
     """Flags, port and checkpoint are checked before torch is imported (seconds on a busy
     machine), so that a mistake is found at once; the log says what loads meanwhile."""
     server_config, engine_config = _config(ServerConfig, args), _config(EngineConfig, args)
+    if server_config.data_parallel_size > 1:
+        return _serve_replicas(args, server_config, engine_config)
     sock = _listen(server_config.host, server_config.port)
     model, model_name = _model(args)
     name = server_config.served_model_name or model_name
@@ -319,6 +321,63 @@ def _serve(args: argparse.Namespace) -> int:
         return _run_server(engine, name, aliases, server_config, sock, time.monotonic() - start)
     finally:
         engine.close()
+
+
+# Set per replica by --data-parallel-size, not passed on as given.
+PER_REPLICA = (
+    "host", "port", "data_parallel_size", "router_policy", "served_model_name",
+    "kv_cache_memory_gb", "device",
+)  # fmt: skip
+
+
+def _serve_replicas(args: argparse.Namespace, server: ServerConfig, engine: EngineConfig) -> int:
+    """N replicas behind smg (server/replicas.py): the flags checked and the port found free
+    first; each replica gets the command line's flags, a share of its KV memory, and its CPUs."""
+    from nanoserve.server import replicas
+
+    n = server.data_parallel_size
+    if engine.tensor_parallel_size > 1:
+        raise UsageError(
+            "--data-parallel-size with --tensor-parallel-size: not supported; run servers of "
+            "T ranks behind smg yourself (README: several machines)"
+        )
+    try:
+        router = replicas.router_binary()
+    except replicas.RouterMissing as e:
+        raise UsageError(str(e)) from None
+    _listen(server.host, server.port).close()  # the front's port is free now
+    _, model_name = _model(args)
+    base = [args.model] if args.model is not None else []
+    base += ["--served-model-name", server.served_model_name or model_name, *_forwarded(args)]
+    if engine.kv_cache_memory_gb is not None:
+        base += ["--kv-cache-memory", f"{engine.kv_cache_memory_gb / n:g}"]
+    try:
+        plan = replicas.plan(n, base, engine.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    logging.basicConfig(
+        level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log.info("%d replicas (%s) behind smg on %s:%d, policy %s", n, replicas.describe(plan),
+             server.host, server.port, server.router_policy)  # fmt: skip
+    front = replicas.router_argv(router, server.host, server.port, server.router_policy, plan)
+    if server.api_key is not None:
+        front += ["--api-key", server.api_key]
+    import trio
+
+    return trio.run(replicas.run, plan, front, server.graceful_timeout)
+
+
+def _forwarded(args: argparse.Namespace) -> list[str]:
+    """The command line's serve flags that differ from their defaults, as flags again."""
+    flags = []
+    for config_class in (ServerConfig, EngineConfig):
+        for f, s in described(config_class):
+            value = getattr(args, f.name, f.default)
+            if not s.cli or f.name in PER_REPLICA or value == f.default:
+                continue
+            flags += [_flag(f, s)] if isinstance(value, bool) else [_flag(f, s), str(value)]
+    return flags
 
 
 def _run_server(

@@ -304,6 +304,10 @@ class EngineConfig:
         return getattr(torch, self.dtype)
 
 
+# smg's policies (server/replicas.py): cache_aware keeps a conversation's prefix on one replica.
+ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load", "power_of_two", "random")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How the HTTP server runs: where it listens, whom it admits, how much it queues, what it
@@ -334,6 +338,15 @@ class ServerConfig:
     log_level: str = setting(
         "info", "logging threshold (info logs one line per request)", choices=LOG_LEVELS
     )
+    data_parallel_size: int = setting(
+        1, "replicas of the server, each a process on its own CPUs (or GPU), behind the smg "
+        "router on --host and --port (pip install 'nanoserve[router]')", aliases=("-dp",),
+        limit=POSITIVE,
+    )  # fmt: skip
+    router_policy: str = setting(
+        "cache_aware", "how the router picks a replica, with --data-parallel-size",
+        choices=ROUTER_POLICIES,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)

@@ -59,6 +59,7 @@ def create_app(
     app.add_url_rule("/tokenizer_info", view_func=api.tokenizer_info, methods=["GET"])
     app.add_url_rule("/health", view_func=api.health, methods=["GET"])
     app.add_url_rule("/metrics", view_func=api.metrics, methods=["GET"])
+    app.add_url_rule("/v1/loads", view_func=api.loads, methods=["GET"])
     for exception, handler in error_handlers(max_body_bytes).items():
         app.register_error_handler(exception, handler)
     return app

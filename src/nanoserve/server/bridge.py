@@ -51,6 +51,8 @@ class Serving:
         self.max_model_len = engine.max_model_len
         self.reasoning_parser = engine.config.reasoning_parser  # None: from the chat template
         self.max_queue = max_queue
+        self.block_size = engine.config.block_size
+        self.max_num_seqs = engine.config.max_num_seqs
         self.metrics = metrics or Metrics()
         self.metrics.on_start(
             engine.config.block_size, engine.num_blocks, engine.config.dtype, engine.kv_cache_bytes

@@ -108,6 +108,7 @@ class EngineTask:
         self.dead: str | None = None  # why the engine stopped serving, once it has
         self.died = trio.Event()  # set with `dead`: `nanoserve serve` exits then
         self.steps = 0
+        self._prompt_tokens = 0  # admitted to the engine, n times each: the prefix hit rate's base
         self._publish()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -196,6 +197,7 @@ class EngineTask:
                 continue
             n = arrival.admitted.params.n
             self.metrics.on_arrival(len(arrival.admitted.token_ids))
+            self._prompt_tokens += n * len(arrival.admitted.token_ids)
             room -= n
             self._rows[group] = self._rows.get(group, 0) + n
             self._admitted[arrival.request_id] = (group, n)
@@ -285,6 +287,8 @@ class EngineTask:
             num_recomputed_tokens=s.num_recomputed_tokens,
             peak_running=s.peak_running,
             generation_tokens=s.generation_tokens,
+            prompt_tokens=self._prompt_tokens,
+            prefix_hit_tokens=s.num_prefix_hit_tokens,
             spec_decode_num_drafts=s.spec_decode.num_drafts,
             spec_decode_num_draft_tokens=s.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec_decode.num_accepted_tokens,

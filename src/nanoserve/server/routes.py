@@ -31,6 +31,7 @@ from nanoserve.server.bridge import Serving
 from nanoserve.server.chat_plan import chat_inputs, chat_plan
 from nanoserve.server.completion_format import CompletionFormat
 from nanoserve.server.errors import ModelNotFound, error_info, error_response, too_large
+from nanoserve.server.loads import loads
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -215,6 +216,10 @@ class OpenAIServer:
 
     async def metrics(self) -> Response:
         return Response(self.serving.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+    async def loads(self) -> Response:
+        """The load routers poll (server/loads.py); smg's `?include=` sections are all one."""
+        return Response(json.dumps(loads(self.serving)), mimetype="application/json")
 
     # -- generation ---------------------------------------------------------------------------
 
