@@ -5,11 +5,16 @@ Anthropic's shape (a missing max_tokens, an image, a wrong x-api-key, a full que
 client that hangs up mid-stream (or mid-answer) aborting its request."""
 
 import json
+from typing import Literal
 
 import anthropic
 import jsonschema
+import pydantic
 import pytest
 
+from nanoserve.engine import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.server.anthropic_format import MessageEvents
+from nanoserve.server.protocol import ChatChunkChoice, ChatCompletionChunk
 from nanoserve.testing.harness import MODEL_NAME, hang_up, live_server, open_request, read_until
 
 BLOCKS = 256
@@ -176,6 +181,25 @@ async def test_a_tool_use_round_trip(server, claude):
     )
 
 
+class City(pydantic.BaseModel):
+    # The SDK moves a string's or a number's bounds into the description (Anthropic's structured
+    # outputs do not hold them): a random model could write such a value for ever.
+    name: Literal["Paris", "Rome"]
+    capital: bool
+
+
+async def test_the_sdk_parse_holds_the_answer_to_its_model(claude):
+    """messages.parse(output_format=...) sends output_config.format: the answer is held to the
+    model's schema (a structured output), and the SDK parses it."""
+    for ask in ("What is the weather in Paris?", "She wrote the weather"):
+        reply = await claude.messages.parse(
+            model=MODEL_NAME, max_tokens=300, output_format=City, extra_body=GREEDY,
+            messages=[{"role": "user", "content": ask}],
+        )  # fmt: skip
+        assert reply.stop_reason == "end_turn", reply
+        assert isinstance(reply.parsed_output, City)
+
+
 async def test_count_tokens_is_the_prompt_the_answer_counts(server, claude):
     """count_tokens (system and tools in the prompt) equals the answer's input_tokens; asked
     again, the prefix cache holds most of the prompt: cache_read_input_tokens, and input_tokens
@@ -334,3 +358,46 @@ async def test_a_stream_open_at_shutdown_ends_with_an_error_event(tiny_model_dir
         assert b"message_stop" not in raw
         await hang_up(client)
         await server.wait_idle()
+
+
+def test_text_then_calls_are_blocks_in_turn():
+    """Chat deltas of a text, then two calls: a text block, then a tool_use block per call
+    (its input in one input_json_delta), each closed before the next opens."""
+
+    def chunk(delta, finish=None):
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
+        return ChatCompletionChunk(id="x", created=0, model="m", choices=[choice])
+
+    def call(k, name, arguments):
+        start = {"index": k, "id": f"call_{k}", "type": "function",
+                 "function": {"name": name, "arguments": ""}}  # fmt: skip
+        more = {"index": k, "function": {"arguments": arguments}}
+        return [chunk({"tool_calls": [start]}), chunk({"tool_calls": [more]})]
+
+    chunks = [chunk({"content": "Let me "}), chunk({"content": "look."}),
+              *call(0, "f", '{"a": 1}'), *call(1, "g", "{}"), chunk({}, "tool_calls")]  # fmt: skip
+    out = RequestOutput("0", [1, 2, 3], None, [CompletionOutput(0, "", [7] * 9, "stop")], True,
+                        2, RequestMetrics(0.0, None, None, None, 0))  # fmt: skip
+    events = MessageEvents("msg_1", "m").events(chunks, out)
+    shape = [(n, d.get("index"), (d.get("delta") or d.get("content_block") or {}).get("type"))
+             for n, d in events]  # fmt: skip
+    assert shape == [
+        ("content_block_start", 0, "text"),
+        ("content_block_delta", 0, "text_delta"),
+        ("content_block_delta", 0, "text_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, "tool_use"),
+        ("content_block_delta", 1, "input_json_delta"),
+        ("content_block_stop", 1, None),
+        ("content_block_start", 2, "tool_use"),
+        ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None),
+        ("message_delta", None, None),
+        ("message_stop", None, None),
+    ]
+    assert events[4][1]["content_block"]["name"] == "f"
+    assert events[4][1]["content_block"]["id"].startswith("toolu_")
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    assert events[-2][1]["usage"] == {"input_tokens": 1, "output_tokens": 9,
+                                      "cache_read_input_tokens": 2,
+                                      "cache_creation_input_tokens": 0}  # fmt: skip

@@ -189,7 +189,8 @@ class AnthropicServer:
             return response
         if response.mimetype != "application/json":
             return response
-        error = json.loads(await response.get_data()).get("error")
+        body = json.loads(await response.get_data())
+        error = body.get("error") if isinstance(body, dict) else None
         if not isinstance(error, dict):
             return response
         status = response.status_code
@@ -198,8 +199,8 @@ class AnthropicServer:
         message, param = str(error.get("message")), error.get("param")
         if param and param not in message:
             message = f"{param}: {message}"
-        body = {"type": "error", "error": {"type": error_type(status), "message": message}}
-        response.set_data(json.dumps(body))
+        shaped = {"type": "error", "error": {"type": error_type(status), "message": message}}
+        response.set_data(json.dumps(shaped))
         response.status_code = status
         return response
 
