@@ -13,6 +13,7 @@ from quart_trio import QuartTrio
 from werkzeug.routing import PathConverter
 
 from nanoserve.config import ServerConfig
+from nanoserve.server.anthropic import AnthropicServer
 from nanoserve.server.bridge import Serving
 from nanoserve.server.errors import error_handlers
 from nanoserve.server.routes import OpenAIServer
@@ -32,6 +33,7 @@ def create_app(
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None  # the engine task is stopped below
     app.url_map.converters["model_id"] = ModelId
     api = OpenAIServer(serving, model_name, api_key, max_body_bytes, aliases)
+    anthropic = AnthropicServer(api)
     engine_scope = trio.CancelScope()
 
     async def run_engine(task_status: trio.TaskStatus[None]) -> None:
@@ -49,8 +51,13 @@ def create_app(
 
     app.before_request(api.check_access)
     app.after_request(api.log_access)
+    app.after_request(anthropic.reshape_errors)  # runs first: the log sees the final status
     app.add_url_rule("/v1/completions", view_func=api.completions, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=api.chat_completions, methods=["POST"])
+    app.add_url_rule("/v1/messages", view_func=anthropic.messages, methods=["POST"])
+    app.add_url_rule(
+        "/v1/messages/count_tokens", view_func=anthropic.count_tokens, methods=["POST"]
+    )
     app.add_url_rule("/v1/models", view_func=api.models, methods=["GET"])
     app.add_url_rule("/v1/models/<model_id:model_id>", view_func=api.model, methods=["GET"])
     app.add_url_rule("/version", view_func=api.version, methods=["GET"])
