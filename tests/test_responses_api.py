@@ -243,6 +243,7 @@ REFUSED = [
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format.schema"),
+    ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER]}, "text.format"),
     ({"tool_choice": {"type": "web_search_preview"}, "tools": [WEATHER]}, "tool_choice"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -273,3 +274,23 @@ async def test_a_client_that_hangs_up_mid_stream_is_aborted(server):
     server.engine.audit()
     assert await server.metric("nanoserve:requests_aborted_total") == 1
     assert await server.metric("nanoserve:generation_tokens_total") < 750
+
+
+async def test_requests_open_at_shutdown_end_cleanly(tiny_model_dir):
+    """A server that stops: a unary request gets chat's 503, a stream an error event."""
+    async with live_server(tiny_model_dir, num_kv_blocks=BLOCKS) as server:
+        body = {"input": "She wrote the weather", "max_output_tokens": 1500, "temperature": 0}
+        unary = await open_request(server, R, body)
+        stream = await open_request(server, R, {**body, "stream": True})
+        await read_until(stream, b"response.output_text.delta")
+        await server.wait_until(lambda h: h["running"] == 2)
+        server.serving.close()
+        raw = await read_until(unary, b"}}")
+        assert raw.startswith(b"HTTP/1.1 503") and b"shutting down" in raw
+        raw = await read_until(stream, b"event: error")
+        while chunk := await stream.receive_some():  # to the end of the response
+            raw += chunk
+        error = json.loads(raw.rsplit(b"event: error\ndata: ", 1)[1].split(b"\n")[0])
+        assert error["type"] == "error" and error["code"] == "server_error"
+        assert "shutting down" in error["message"]
+        await server.wait_idle()

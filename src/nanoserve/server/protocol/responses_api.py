@@ -228,7 +228,11 @@ class ResponsesRequest(StrictModel):
         self.items()
         tools = self.function_tools()
         self.named_function(tools)
-        self.constraint()
+        if self.constraint() is not None and tools and self.tool_choice != "none":
+            raise InvalidRequest(
+                'text.format cannot be combined with tools unless tool_choice is "none": the '
+                "format would rule out the calls", "text.format",
+            )  # fmt: skip
 
     def items(self) -> list[Item]:
         return input_items(self.input)
