@@ -120,7 +120,8 @@ async def test_a_stream_adds_up_to_the_unary_answer(client):
 async def test_a_forced_call_and_its_output_sent_back(server, client):
     """tool_choice naming the function: the random model must call it, its arguments held to the
     schema; the output goes back with previous_response_id, and the answer after it is text.
-    Streamed, the call comes as an item and its arguments, equal to the unary call."""
+    Streamed (raw events, and the SDK's stream helper), the call comes as an item and its
+    arguments, equal to the unary call."""
     first = await client.responses.create(
         model=MODEL_NAME, input=QUESTION, tools=[WEATHER], tool_choice=FORCED,
         max_output_tokens=200, temperature=0,
@@ -148,6 +149,12 @@ async def test_a_forced_call_and_its_output_sent_back(server, client):
     assert events[-1].type == "response.completed"
     (streamed,) = events[-1].response.output
     assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    async with client.responses.stream(
+        model=MODEL_NAME, input=QUESTION, tools=[WEATHER], tool_choice=FORCED,
+        max_output_tokens=200, temperature=0,
+    ) as stream:  # fmt: skip
+        (helped,) = (await stream.get_final_response()).output
+    assert (helped.name, helped.arguments) == (call.name, call.arguments)
 
 
 async def test_previous_response_id_get_and_delete(server, client):
