@@ -18,11 +18,11 @@ class ServingStats:
     num_recomputed_tokens: int
     peak_running: int
     generation_tokens: int
-    prompt_tokens: int = 0  # of the requests admitted to the engine, n times each
-    prefix_hit_tokens: int = 0  # prompt positions found in the prefix cache
     spec_decode_num_drafts: int = 0  # speculative drafts verified
     spec_decode_num_draft_tokens: int = 0  # their tokens
     spec_decode_num_accepted_tokens: int = 0  # draft tokens the target model agreed with
+    prompt_tokens: int = 0  # of the requests admitted to the engine, n times each
+    prefix_hit_tokens: int = 0  # prompt positions found in the prefix cache
 
     @property
     def kv_usage(self) -> float:
