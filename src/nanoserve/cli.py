@@ -395,7 +395,9 @@ def _run_server(
     from nanoserve.server.serve import serve
 
     serving = Serving(engine, max_queue=config.max_queue)
-    app = create_app(serving, name, config.api_key, config.max_body_bytes, aliases)
+    app = create_app(
+        serving, name, config.api_key, config.max_body_bytes, aliases, config.responses_store_size
+    )
     log.info(
         "model %r loaded in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %s), context %d tokens",
         name, load_s, engine.num_blocks, engine.config.block_size, engine.kv_cache_bytes / 2**30,

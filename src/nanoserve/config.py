@@ -331,6 +331,10 @@ class ServerConfig:
         4 * 2**20, "largest request body accepted (413 above)", flag="--max-request-bytes",
         limit=POSITIVE,
     )  # fmt: skip
+    responses_store_size: int = setting(
+        256, "responses the Responses API keeps for previous_response_id and GET (in memory; "
+        "the oldest dropped first)", limit=POSITIVE,
+    )  # fmt: skip
     graceful_timeout: float = setting(
         3.0, "seconds open requests get to finish after SIGINT/SIGTERM",
         limit=_number("a number >= 0", lambda v: v >= 0), cli=False,

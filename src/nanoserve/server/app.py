@@ -13,8 +13,10 @@ from quart_trio import QuartTrio
 from werkzeug.routing import PathConverter
 
 from nanoserve.config import ServerConfig
+from nanoserve.server.anthropic import AnthropicServer
 from nanoserve.server.bridge import Serving
 from nanoserve.server.errors import error_handlers
+from nanoserve.server.responses_api import ResponsesAPI
 from nanoserve.server.routes import OpenAIServer
 
 
@@ -24,6 +26,7 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = ServerConfig.max_body_bytes,
     aliases: Sequence[str] = (),
+    responses_store_size: int = ServerConfig.responses_store_size,
 ) -> QuartTrio:
     """The app over `serving`, serving the model as `model_name` (requests may also call it by
     one of `aliases`); its engine task starts and stops with the app."""
@@ -32,6 +35,8 @@ def create_app(
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None  # the engine task is stopped below
     app.url_map.converters["model_id"] = ModelId
     api = OpenAIServer(serving, model_name, api_key, max_body_bytes, aliases)
+    anthropic = AnthropicServer(api)
+    responses = ResponsesAPI(api, responses_store_size)
     engine_scope = trio.CancelScope()
 
     async def run_engine(task_status: trio.TaskStatus[None]) -> None:
@@ -49,9 +54,19 @@ def create_app(
 
     app.before_request(api.check_access)
     app.after_request(api.log_access)
+    app.after_request(anthropic.reshape_errors)  # runs first: the log sees the final status
     app.add_url_rule("/v1/completions", view_func=api.completions, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=api.chat_completions, methods=["POST"])
+    app.add_url_rule("/v1/messages", view_func=anthropic.messages, methods=["POST"])
+    app.add_url_rule(
+        "/v1/messages/count_tokens", view_func=anthropic.count_tokens, methods=["POST"]
+    )
     app.add_url_rule("/v1/models", view_func=api.models, methods=["GET"])
+    # OpenAI's Responses API (responses_api.py): an adapter onto chat's path
+    app.add_url_rule("/v1/responses", "responses_create", responses.create, methods=["POST"])
+    one = "/v1/responses/<response_id>"
+    app.add_url_rule(one, "responses_retrieve", responses.retrieve, methods=["GET"])
+    app.add_url_rule(one, "responses_delete", responses.delete, methods=["DELETE"])
     app.add_url_rule("/v1/models/<model_id:model_id>", view_func=api.model, methods=["GET"])
     app.add_url_rule("/version", view_func=api.version, methods=["GET"])
     app.add_url_rule("/tokenize", view_func=api.tokenize, methods=["POST"])

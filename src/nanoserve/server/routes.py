@@ -83,11 +83,12 @@ class OpenAIServer:
         g.access = AccessRecord(time.monotonic(), f"{host}:{port}", line)
         if self.api_key is not None and request.path != "/health":
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.encode(), self.api_key.encode()
-            ):
+            given = [token] if scheme.lower() == "bearer" else []
+            given += request.headers.getlist("x-api-key")  # Anthropic's SDK sends its key so
+            key = self.api_key.encode()
+            if not any(hmac.compare_digest(t.encode(), key) for t in given):
                 return error_response(
-                    401, "invalid or missing API key (Authorization: Bearer KEY)",
+                    401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key)",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
                 )  # fmt: skip
         length = request.content_length

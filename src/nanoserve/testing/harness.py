@@ -85,22 +85,31 @@ async def live_server(
     max_queue: int | None = None,
     api_key: str | None = None,
     max_body_bytes: int = ServerConfig.max_body_bytes,
+    responses_store_size: int = ServerConfig.responses_store_size,
     **engine_args: Any,
 ) -> AsyncIterator[LiveServer]:
     """Serve the app on 127.0.0.1, port 0; ready when Hypercorn reports its binds (after the
     app's startup, which starts the engine task). The engine is closed at the end (its
     tensor-parallel workers stop)."""
     with Engine(model_dir, EngineConfig(**engine_args)) as engine:
-        async with _serving(engine, max_queue, api_key, max_body_bytes) as server:
+        serving = _serving(engine, max_queue, api_key, max_body_bytes, responses_store_size)
+        async with serving as server:
             yield server
 
 
 @asynccontextmanager
 async def _serving(
-    engine: Engine, max_queue: int | None, api_key: str | None, max_body_bytes: int
+    engine: Engine,
+    max_queue: int | None,
+    api_key: str | None,
+    max_body_bytes: int,
+    responses_store_size: int = ServerConfig.responses_store_size,
 ) -> AsyncIterator[LiveServer]:
     serving = Serving(engine, max_queue=max_queue)
-    app = create_app(serving, MODEL_NAME, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = create_app(
+        serving, MODEL_NAME, api_key=api_key, max_body_bytes=max_body_bytes,
+        responses_store_size=responses_store_size,
+    )  # fmt: skip
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 1.0
