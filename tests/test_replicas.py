@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -113,15 +114,11 @@ class Front:
         return text
 
 
-@pytest.fixture(scope="module")
-def front(tiny_model_dir, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("dp") / "front.log"
-    argv = [sys.executable, "-m", "nanoserve.cli", "serve", str(tiny_model_dir), "-dp", "2",
-            "--port", str(port), "--kv-cache-memory", "0.1",
-            "--served-model-name", "tiny"]  # fmt: skip
+def _launch(model_dir: Path, log: Path, policy: str = "cache_aware") -> Front:
+    port = _free_port()
+    argv = [sys.executable, "-m", "nanoserve.cli", "serve", str(model_dir), "-dp", "2",
+            "--port", str(port), "--kv-cache-memory", "0.1", "--served-model-name", "tiny",
+            "--router-policy", policy]  # fmt: skip
     with log.open("w") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     front = Front(process, f"http://127.0.0.1:{port}", log)
@@ -130,10 +127,16 @@ def front(tiny_model_dir, tmp_path_factory):
         assert process.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
+    return front
+
+
+@pytest.fixture(scope="module")
+def front(tiny_model_dir, tmp_path_factory):
+    front = _launch(tiny_model_dir, tmp_path_factory.mktemp("dp") / "front.log")
     yield front
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    if front.process.poll() is None:
+        front.process.kill()
+        front.process.wait()
 
 
 def _ready(front: Front) -> bool:
@@ -210,6 +213,51 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_least_load_sends_new_requests_past_a_busy_replica(tiny_model_dir, tmp_path):
+    """One replica kept busy by a client of its own (long requests, one after another); requests
+    through the router then go to the other. They end on a stop string, the busy replica's own
+    on their length, so each replica's finished requests tell whose they were."""
+    front = _launch(tiny_model_dir, tmp_path / "front.log", policy="least_load")
+    busy, idle = front.replicas()
+    stop = front.complete(idle)[:4]
+    done = threading.Event()
+
+    def keep_busy() -> None:
+        body = {**PROMPT, "prompt": "Busy", "max_tokens": 400, "ignore_eos": True}
+        while not done.is_set():
+            httpx.post(f"{busy}/v1/completions", json=body, timeout=60)
+
+    worker = threading.Thread(target=keep_busy, name="keep-busy", daemon=True)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30  # smg polls the loads once a second
+        while not any(rank["num_running_reqs"] for rank in _loads(front)):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        before = {url: _finished(url, "stop") for url in (busy, idle)}
+        for _ in range(6):
+            front.complete(stop=[stop])
+        gained = {url: _finished(url, "stop") - before[url] for url in (busy, idle)}
+        assert sum(gained.values()) == 6
+        assert gained[busy] < gained[idle], gained
+    finally:
+        done.set()
+        worker.join()
+        front.process.terminate()
+        assert front.process.wait(timeout=60) == 0
+
+
+def _loads(front: Front) -> list[dict]:
+    return front.http.get("/get_loads").json()["loads"]
+
+
+def _finished(url: str, reason: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    prefix = f'nanoserve:request_success_total{{finished_reason="{reason}"}}'
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
 def test_sigterm_ends_every_process_and_closes_streams(front):
