@@ -156,6 +156,20 @@ def test_answers_equal_one_servers(front):
         assert front.streamed() == alone
 
 
+def test_the_router_passes_the_responses_and_messages_apis_through(front):
+    """smg re-sends a Responses request with vLLM's extras (priority 0, top_k -1, min_p 0,
+    repetition_penalty 1): they must not be refused; Messages passes as it is."""
+    body = {"model": "tiny", "input": "Hello", "max_output_tokens": 6, "temperature": 0}
+    r = front.http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] in ("completed", "incomplete")
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": "Hello"}]}  # fmt: skip
+    r = front.http.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["type"] == "message"
+
+
 def test_the_router_reads_each_replicas_load(front):
     workers = front.http.get("/workers").json()["workers"]
     # nanoserve answers vLLM's /version, so smg takes it for vLLM and still reads /v1/loads

@@ -246,6 +246,8 @@ REFUSED = [
     ({"truncation": "auto"}, "truncation"),
     ({"background": True}, "background"),
     ({"top_logprobs": 2}, "top_logprobs"),
+    ({"priority": 1}, "priority"),
+    ({"top_k": -2}, "top_k"),
     ({"text": {"verbosity": "high"}}, "text.verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},

@@ -32,6 +32,7 @@ from nanoserve.server.access import AccessRecord, printable
 from nanoserve.server.chat_plan import chat_inputs, chat_plan
 from nanoserve.server.errors import error_info, error_response
 from nanoserve.server.protocol import ChatCompletionRequest, InvalidRequest, parse
+from nanoserve.server.protocol.base import validate
 from nanoserve.server.protocol.responses_api import (
     FunctionCall,
     FunctionCallOutput,
@@ -224,7 +225,7 @@ def chat_request(req: ResponsesRequest, items: list[Item]) -> ResponsesChat:
     messages = chat_messages(req.instructions, items)
     if not messages:
         raise InvalidRequest("input is empty: give at least one message", "input")
-    chat = ResponsesChat.model_validate({
+    chat = validate(ResponsesChat, {
         "model": req.model, "messages": messages,
         "tools": [{"type": "function", "function": t.model_dump(exclude={"type"})}
                   for t in tools] or None,
@@ -233,6 +234,9 @@ def chat_request(req: ResponsesRequest, items: list[Item]) -> ResponsesChat:
         "parallel_tool_calls": req.parallel_tool_calls,
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
         "top_p": req.top_p, "stream": req.stream, "reasoning_effort": req.effort,
+        "top_k": req.top_k, "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
+        "frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty,
+        "stop": req.stop,
     })  # fmt: skip
     chat._text_format = req.constraint()
     chat.check()

@@ -200,6 +200,15 @@ class ResponsesRequest(StrictModel):
     reasoning: ReasoningConfig | None = None
     store: bool = True
     previous_response_id: str | None = None
+    # vLLM's sampling extras, which routers in front of vLLM (smg) send: checked by chat's model.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: str | list[str] | None = None
+    priority: int = 0  # vLLM's priority scheduling; this server runs first come, first served
+    request_id: str | None = None
     # Harmless: bookkeeping that does not change the answer.
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -220,6 +229,7 @@ class ResponsesRequest(StrictModel):
             "background": self.background,
             "truncation": self.truncation != "disabled",
             "top_logprobs": bool(self.top_logprobs),
+            "priority": self.priority != 0,
             "max_tool_calls": self.max_tool_calls is not None,
             "text.verbosity": self.text is not None and self.text.verbosity not in (None, "medium"),
         }
