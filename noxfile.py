@@ -1,5 +1,6 @@
 """Sessions: tests, tests_avx2 and install_check (the CI suite, run by a bare `nox`), lint (ruff +
-mypy), bench (benchmarks), soak, eval (lm-eval), clients (LangChain, instructor, openai)."""
+mypy), bench (benchmarks), soak, eval (lm-eval), clients (the openai, anthropic and openai-agents
+SDKs, LangChain, instructor)."""
 
 import nox
 
@@ -114,12 +115,21 @@ def eval(session: nox.Session) -> None:
 
 @nox.session
 def clients(session: nox.Session) -> None:
-    """The clients agent builders use (the openai SDK's parse() and a tool round trip,
-    LangChain's with_structured_output and bind_tools, instructor's TOOLS and JSON_SCHEMA
-    modes) against `nanoserve serve` on the default model (not in CI: they bring many
-    packages)."""
+    """The clients agent builders use against `nanoserve serve` on the default model (not in CI:
+    they bring many packages): on chat completions the openai SDK's parse() and a tool round trip,
+    LangChain's with_structured_output and bind_tools, instructor's TOOLS and JSON_SCHEMA modes;
+    on the Messages API the anthropic SDK (create, stream, a tool-use round trip, count_tokens) and
+    LangChain's ChatAnthropic; on the Responses API the openai SDK's responses.create (unary,
+    streamed, a function-call round trip) and responses.parse, an openai-agents agent with a
+    function tool, LangChain's ChatOpenAI(use_responses_api=True). `-- --model PATH --thinking
+    off` points it at another model (a reasoning one's thinking switched on or off)."""
     session.install(TORCH)
     session.install("-e", ".")
     session.install(*DEFAULT_MODEL)
-    session.install("langchain-openai", "instructor")
-    session.run("python", "examples/clients.py", "--serve")
+    # openai comes with them: instructor holds jiter below 0.15, so the openai they agree on is
+    # 3.3 (the pin keeps pip from settling on an older openai-agents instead).
+    session.install(
+        "anthropic", "openai-agents>=0.24,<0.25", "langchain-openai", "langchain-anthropic",
+        "instructor",
+    )  # fmt: skip
+    session.run("python", "examples/clients.py", "--serve", *session.posargs)

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.sampling import SampleRow, sample
+from nanoserve.engine.sampling import SampleRow, sample, token_logprobs
 
 PROMPT = {"prompt_token_ids": [5, 17, 300, 42, 9, 250, 77]}
 
@@ -137,6 +137,8 @@ def test_logprobs_report_chosen_and_top_n(llm, tiny_model_dir):
         ("stop", [""]),
         ("stop_token_ids", [-3]),
         ("logprobs", 21),
+        ("logprobs", -2),
+        ("prompt_logprobs", -1),
     ],
 )
 def test_bad_sampling_params_name_the_field(field, value):
@@ -180,3 +182,19 @@ def test_logit_bias_and_allowed_token_ids_steer_every_row_alone():
 def test_logit_bias_and_allowed_token_ids_are_checked(kwargs):
     with pytest.raises(ValueError, match=f"^{next(iter(kwargs))} must be"):
         SamplingParams(**kwargs)
+
+
+def test_whole_vocabulary_logprobs_are_every_token_with_ties_sharing_a_rank():
+    """logprobs -1: an entry for every token of the row, the values log_softmax's; a rank counts
+    the tokens more likely, so tied tokens share one (and the chosen token's agrees with it)."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, float("-inf"), 1.0, float("-inf")], [0.0] * 6])
+    assert SamplingParams(logprobs=-1).logprobs == -1
+    first, flat = token_logprobs(logits, torch.tensor([2, 5]), [-1, -1])
+    expected = torch.log_softmax(logits, dim=-1)
+    assert set(first) == set(flat) == set(range(6))
+    assert {t: e.rank for t, e in first.items()} == {0: 1, 1: 2, 2: 2, 4: 2, 3: 5, 5: 5}
+    assert all(e.logprob == pytest.approx(float(expected[0, t])) for t, e in first.items())
+    assert {e.rank for e in flat.values()} == {1}
+    (top_two,) = token_logprobs(logits[:1], torch.tensor([3]), [2])  # one of the tied three
+    assert len(top_two) == 3 and top_two[3].rank == 5 and top_two[0].rank == 1
+    assert {e.rank for t, e in top_two.items() if t not in (0, 3)} == {2}

@@ -7,7 +7,7 @@ from nanoserve.engine.memory import NotEnoughMemory
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.parallel.tp import WorkerFailed
 from nanoserve.engine.parallel.worker import worker_from_env
-from nanoserve.engine.sampling import Logprob, SamplingParams
+from nanoserve.engine.sampling import WHOLE_VOCAB, Logprob, SamplingParams
 from nanoserve.engine.structured import GrammarError, StructuredOutputsParams, closed_schema
 from nanoserve.engine.thinking import ThinkingParams
 
@@ -27,6 +27,7 @@ __all__ = [
     "closed_schema",
     "StructuredOutputsParams",
     "ThinkingParams",
+    "WHOLE_VOCAB",
     "WorkerFailed",
     "worker_from_env",
 ]

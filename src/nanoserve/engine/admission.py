@@ -3,10 +3,11 @@
 `Admission.admit` turns a prompt and its parameters into an `Admitted` request, or refuses it
 with `RequestRejected`, naming the field: the prompt's token ids in the vocabulary and within the
 context, the effective max_tokens (the config's default where none was given, or what the
-context leaves), a pool large enough for the whole request, the constraint compiled. The engine's
-`add_request` takes an `Admitted` as it is and checks nothing again; given a raw prompt (the
-offline API), it admits it first. Reads fixed settings only, so any thread may admit: a server
-admits in its handlers, off the engine's thread, and compiles a constraint in a worker thread.
+context leaves), a pool large enough for the whole request, whole-vocabulary logprobs within
+their bound, the constraint compiled. The engine's `add_request` takes an `Admitted` as it is
+and checks nothing again; given a raw prompt (the offline API), it admits it first. Reads fixed
+settings only, so any thread may admit: a server admits in its handlers, off the engine's
+thread, and compiles a constraint in a worker thread.
 """
 
 from __future__ import annotations
@@ -15,9 +16,18 @@ from dataclasses import dataclass
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.kv_cache import cdiv
-from nanoserve.engine.sampling import SamplingParams
+from nanoserve.engine.sampling import WHOLE_VOCAB, SamplingParams
 from nanoserve.engine.structured import CompiledGrammar, GrammarCompiler, GrammarError
 from nanoserve.tokenizer import Tokenizer
+
+# Whole-vocabulary logprobs (logprobs -1) hold an entry per token of the vocabulary at every
+# position: about 230 bytes of memory and 1.5 us of the engine's step each (SmolLM2's 49,152
+# tokens: 11 MB and 75 ms a position), then 30 (completions) to 85 (chat) bytes of the body,
+# built in 0.2-0.7 s a position off the event loop. Served for vocabularies of at most
+# MAX_WHOLE_VOCAB tokens (Gemma 3's, the largest of the families served), and for at most
+# WHOLE_VOCAB_ENTRIES entries a request (n x max_tokens x vocabulary).
+MAX_WHOLE_VOCAB = 262_144
+WHOLE_VOCAB_ENTRIES = 1 << 20
 
 
 class RequestRejected(ValueError):
@@ -62,6 +72,8 @@ class Admission:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_tokens(token_ids, params)
         limit = self._output_limit(len(token_ids), params)
+        if params.logprobs == WHOLE_VOCAB:
+            self._check_whole_vocab(params.n, limit)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile(params)
         return Admitted(token_ids, params, limit, grammar)
@@ -96,6 +108,23 @@ class Admission:
             if any(t >= vocab for t in ids):
                 raise RequestRejected(f"{name} must be token ids below the vocabulary size "
                                       f"{vocab}", name)  # fmt: skip
+
+    def _check_whole_vocab(self, n: int, limit: int) -> None:
+        vocab = self.vocab_size
+        if vocab > MAX_WHOLE_VOCAB:
+            raise RequestRejected(
+                f"logprobs -1 (the whole vocabulary) is served for vocabularies of at most "
+                f"{MAX_WHOLE_VOCAB} tokens; this model's has {vocab}",
+                "logprobs",
+            )
+        most = WHOLE_VOCAB_ENTRIES // vocab  # positions: sequences x tokens
+        if n * limit > most:
+            raise RequestRejected(
+                f"logprobs -1 (the whole vocabulary, {vocab} tokens) is served for at most "
+                f"{most} positions a request ({WHOLE_VOCAB_ENTRIES} entries): n ({n}) x "
+                f"max_tokens ({limit}) is {n * limit}: ask for fewer",
+                "logprobs",
+            )
 
     def _output_limit(self, n: int, params: SamplingParams) -> int:
         """The most tokens the request may generate, checked against the context and the pool."""

@@ -20,6 +20,8 @@ from nanoserve.engine.thinking import ThinkingParams
 _MASK64 = (1 << 63) - 1
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+MAX_LOGPROBS = 20  # top alternatives one position may report
+WHOLE_VOCAB = -1  # logprobs: every token of the vocabulary at each position (vLLM's -1)
 
 
 @dataclass
@@ -38,7 +40,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-N alternatives besides the chosen token
+    logprobs: int | None = None  # top-N alternatives besides the chosen token; -1: all of them
     prompt_logprobs: int | None = None  # each prompt token's logprob, and top-N alternatives
     skip_special_tokens: bool = True
     # The output must match this constraint (engine/structured.py): the logits are masked
@@ -84,7 +86,7 @@ class SamplingParams:
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(_int(t) and t >= 0 for t in self.stop_token_ids), "token ids"),
-            ("logprobs", _top_n(self.logprobs), "an integer in [0, 20]"),
+            ("logprobs", _top_n(self.logprobs, WHOLE_VOCAB), "an integer in [0, 20], or -1 (all)"),
             ("prompt_logprobs", _top_n(self.prompt_logprobs), "an integer in [0, 20]"),
             (
                 "logit_bias",
@@ -139,8 +141,8 @@ class SamplingParams:
         )
 
 
-def _top_n(x: object) -> bool:
-    return x is None or (_int(x) and 0 <= x <= 20)  # type: ignore[operator]
+def _top_n(x: object, lowest: int = 0) -> bool:
+    return x is None or (_int(x) and lowest <= x <= MAX_LOGPROBS)  # type: ignore[operator]
 
 
 def _int(x: object) -> bool:
@@ -282,19 +284,26 @@ def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, top_n: Sequence[int]
 ) -> list[dict[int, Logprob]]:
     """Per row of `logits` [rows, vocab]: the logprob and rank of `tokens[row]`, and the row's
-    top `top_n[row]` tokens, all of the model's own distribution (before temperature, penalties
-    and filters). Used for sampled tokens and for prompt tokens alike."""
+    top `top_n[row]` tokens (-1: every token of the vocabulary), all of the model's own
+    distribution (before temperature, penalties and filters). A rank counts the tokens more
+    likely than this one, so tied tokens share it. Used for sampled tokens and for prompt
+    tokens alike."""
     if not len(top_n):
         return []
+    vocab = logits.shape[-1]
+    counts = [vocab if n == WHOLE_VOCAB else n for n in top_n]
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=1) + 1
-    top_values, top_ids = logprobs.topk(max(max(top_n), 1), dim=-1)
-    host = [t.tolist() for t in (tokens, chosen[:, 0], ranks, top_values, top_ids)]
+    top_values, top_ids = logprobs.topk(max(max(counts), 1), dim=-1)
+    # Sorted, so the first of a run of equal values is where the greater ones end.
+    top_ranks = torch.searchsorted(-top_values, -top_values, side="left") + 1
+    host = [t.tolist() for t in (tokens, chosen[:, 0], ranks, top_values, top_ids, top_ranks)]
     result = []
-    for n, (token, value, rank, values, ids) in zip(top_n, zip(*host, strict=True), strict=True):
+    for n, row in zip(counts, zip(*host, strict=True), strict=True):
+        token, value, rank, values, ids, places = row
         entry = {token: Logprob(value, rank)}
         for r in range(n):
-            entry.setdefault(ids[r], Logprob(values[r], r + 1))
+            entry.setdefault(ids[r], Logprob(values[r], places[r]))
         result.append(entry)
     return result

@@ -22,7 +22,9 @@ class CompletionFormat(ResponseFormat):
     """Legacy completions. With `echo` the prompt's text comes first (in a stream: in the first
     chunk of each choice, which is sent once the prompt is computed, so that it can carry the
     prompt's logprobs); with echo and `logprobs` the prompt tokens lead the logprobs (the first
-    one has none); with `prompt_logprobs` each choice carries vLLM's `prompt_logprobs` list."""
+    one has none); with `prompt_logprobs` each choice carries vLLM's `prompt_logprobs` list; with
+    `return_token_ids` its `prompt_token_ids` (in a stream, in the choice's first chunk) and
+    `token_ids`."""
 
     def __init__(
         self,
@@ -38,6 +40,7 @@ class CompletionFormat(ResponseFormat):
         self.prompt_logprobs = prompt_logprobs
         self.offsets: dict[int, int] = {}
         self.opened: set[int] = set()
+        self.ids_given: set[int] = set()  # choices whose prompt_token_ids went out
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[BaseModel]:
         openings = []
@@ -56,6 +59,8 @@ class CompletionFormat(ResponseFormat):
             logprobs=self._logprobs(index, c, start),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            prompt_token_ids=self._prompt_ids(index),
+            token_ids=self._new_ids(c, start),
         )
         return self._body([choice])
 
@@ -75,6 +80,8 @@ class CompletionFormat(ResponseFormat):
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                         prompt_logprobs=head.prompt_logprobs,
+                        prompt_token_ids=head.prompt_token_ids,
+                        token_ids=self._new_ids(c, 0),
                     )
                 )
         completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -99,7 +106,15 @@ class CompletionFormat(ResponseFormat):
         vllm = None
         if self.prompt_logprobs and out.prompt_logprobs is not None:
             vllm = [None if e is None else self._vllm_entries(e) for e in out.prompt_logprobs]
-        return CompletionChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=vllm)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, prompt_logprobs=vllm,
+                                prompt_token_ids=self._prompt_ids(index))  # fmt: skip
+
+    def _prompt_ids(self, index: int) -> list[int] | None:
+        """The choice's prompt's token ids, the first time it is sent (return_token_ids)."""
+        if self.prompt_ids is None or index in self.ids_given:
+            return None
+        self.ids_given.add(index)
+        return self.prompt_ids[index // self.n]
 
     def _prompt_logprobs(self, out: RequestOutput) -> CompletionLogprobs:
         ids = out.prompt_token_ids

@@ -6,6 +6,7 @@ that request's stream has sent so far; nothing else.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from nanoserve.engine import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from nanoserve.engine import WHOLE_VOCAB, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from nanoserve.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -51,11 +52,20 @@ class ResponseFormat:
         self.sent_tokens: dict[int, int] = {}
         self.finished: set[int] = set()
         self.token_name = tokenizer.token_text  # how logprobs name a token
+        self.prompt_ids: list[list[int]] | None = None  # each prompt's, when they are returned
 
     def name_tokens_by_id(self) -> None:
         """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N", which a
         client can map back even where a token's text is not valid UTF-8 on its own."""
         self.token_name = _by_id
+
+    def return_token_ids(self, prompts: list[list[int]]) -> None:
+        """vLLM's return_token_ids: the prompts' token ids and each choice's (in a stream, the
+        tokens since the choice's last chunk), which a client can use without tokenizing."""
+        self.prompt_ids = prompts
+
+    def _new_ids(self, c: CompletionOutput, start: int) -> list[int] | None:
+        return None if self.prompt_ids is None else c.token_ids[start:]
 
     def _vllm_entries(self, entry: dict[int, Logprob]) -> dict[int, PromptLogprob]:
         return {
@@ -91,6 +101,11 @@ class ResponseFormat:
 
     def usage_chunk(self) -> BaseModel:
         raise NotImplementedError
+
+    @property
+    def _top_n(self) -> float:
+        """The rank up to which an entry is an alternative (-1 asked for them all)."""
+        return math.inf if self.num_logprobs == WHOLE_VOCAB else self.num_logprobs or 0
 
     def usage(self, completion_tokens: int) -> UsageInfo:
         total = self.prompt_tokens + completion_tokens
@@ -151,8 +166,12 @@ class ChatFormat(ResponseFormat):
         self.prompt_logprobs = params.prompt_logprobs is not None  # vLLM's, unary only
 
     def opening(self, num_prompts: int) -> list[BaseModel]:
+        ids = None if self.prompt_ids is None else self.prompt_ids[0]  # in each choice's, as vLLM
         return [
-            self._chunk([ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})])
+            self._chunk(
+                [ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})],
+                prompt_token_ids=ids,
+            )
             for i in range(num_prompts * self.n)
         ]
 
@@ -199,6 +218,7 @@ class ChatFormat(ResponseFormat):
                 logprobs=self._logprobs(c, start) if j == 0 else None,
                 finish_reason=_finish(c, bool(state.ids)) if last else None,
                 stop_reason=c.stop_reason if last else None,
+                token_ids=self._new_ids(c, start) if j == 0 else None,
             )
             result.append(self._chunk([choice]))
         if result:
@@ -246,6 +266,7 @@ class ChatFormat(ResponseFormat):
             logprobs=self._logprobs(c, start),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
+            token_ids=self._new_ids(c, start),
         )
         return self._chunk([choice])
 
@@ -262,15 +283,17 @@ class ChatFormat(ResponseFormat):
                     logprobs=self._logprobs(c, 0),
                     finish_reason=_finish(c, bool(message.tool_calls)),
                     stop_reason=c.stop_reason,
+                    token_ids=self._new_ids(c, 0),
                 )
             )
         usage = self.usage(sum(len(c.token_ids) for c in out.outputs))
         scored = None
         if self.prompt_logprobs and out.prompt_logprobs is not None:
             scored = [None if e is None else self._vllm_entries(e) for e in out.prompt_logprobs]
+        prompt_ids = None if self.prompt_ids is None else out.prompt_token_ids
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
-            prompt_logprobs=scored,
+            prompt_logprobs=scored, prompt_token_ids=prompt_ids,
         )  # fmt: skip
 
     def _message(self, text: str) -> ChatMessageOut:
@@ -294,15 +317,21 @@ class ChatFormat(ResponseFormat):
     def usage_chunk(self) -> BaseModel:
         return self._chunk([], self.streamed_usage())
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> BaseModel:
+    def _chunk(
+        self,
+        choices: list[ChatChunkChoice],
+        usage: UsageInfo | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> BaseModel:
         return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage,
+            prompt_token_ids=prompt_token_ids,
+        )  # fmt: skip
 
     def _logprobs(self, c: CompletionOutput, start: int) -> ChatLogprobs | None:
         if c.logprobs is None:
             return None
-        top_n = self.num_logprobs or 0
+        top_n = self._top_n
         content = []
         for t, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
             ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from quart import Response, g, request
 
-from nanoserve.engine import RequestOutput, SamplingParams
+from nanoserve.engine import WHOLE_VOCAB, RequestOutput, RequestRejected, SamplingParams
 from nanoserve.server.access import AccessRecord, printable
 from nanoserve.server.bridge import Serving
 from nanoserve.server.chat_plan import chat_inputs, chat_plan
@@ -130,6 +130,8 @@ class OpenAIServer:
         )  # fmt: skip
         if req.return_tokens_as_token_ids:
             fmt.name_tokens_by_id()
+        if req.return_token_ids:
+            fmt.return_token_ids(token_ids)
         return await self._respond(fmt, req.stream, _usage(req), token_ids, params)
 
     async def chat_completions(self) -> Response:
@@ -149,7 +151,15 @@ class OpenAIServer:
         )  # fmt: skip
         if req.return_tokens_as_token_ids:
             fmt.name_tokens_by_id()
-        return await self._respond(fmt, req.stream, _usage(req), [token_ids], plan.params)
+        if req.return_token_ids:
+            fmt.return_token_ids([token_ids])
+        try:
+            return await self._respond(fmt, req.stream, _usage(req), [token_ids], plan.params)
+        except RequestRejected as e:  # the engine names its own field; chat calls it so
+            if e.param == "logprobs":
+                raise InvalidRequest(str(e).replace("logprobs", "top_logprobs", 1),
+                                     "top_logprobs") from None  # fmt: skip
+            raise
 
     async def models(self) -> Response:
         return _json(ModelList(data=[self._card()]))
@@ -244,7 +254,9 @@ class OpenAIServer:
             g.access.tokens_out = sum(len(c.token_ids) for out in finals for c in out.outputs)
             body = partial(_json_text, fmt.response, finals)
             tokens = fmt.prompt_tokens * params.n + g.access.tokens_out
-            if params.logprobs is None and params.prompt_logprobs is None or tokens < LARGE_BODY:
+            whole = params.logprobs == WHOLE_VOCAB  # a vocabulary's entries at each position
+            small = params.logprobs is None and params.prompt_logprobs is None
+            if not whole and (small or tokens < LARGE_BODY):
                 return Response(body(), mimetype="application/json")
             # Logprobs of thousands of tokens take a second or more to build and serialize.
             text = await trio.to_thread.run_sync(body, thread_name="respond")

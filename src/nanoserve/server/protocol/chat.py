@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from nanoserve.engine import WHOLE_VOCAB
 from nanoserve.server.protocol.base import PromptLogprob, StrictModel, UsageInfo
 from nanoserve.server.protocol.errors import InvalidRequest
 from nanoserve.server.protocol.generation import MAX_LOGPROBS, GenerationRequest
@@ -128,7 +129,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=WHOLE_VOCAB, le=MAX_LOGPROBS)  # -1: vLLM's, all
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolSpec] | None = None
@@ -168,6 +169,8 @@ class ChatCompletionRequest(GenerationRequest):
                                  "for it on a unary request", "prompt_logprobs")  # fmt: skip
         if self.top_logprobs and not self.logprobs:  # 0 (vLLM's default) asks for nothing
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.num_logprobs == WHOLE_VOCAB:
+            self.check_whole_vocab("top_logprobs")
         if len(self.tools or []) > MAX_TOOLS:
             raise InvalidRequest(
                 f"tools: at most {MAX_TOOLS} tools (got {len(self.tools or [])})", "tools"
@@ -240,6 +243,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the choice's tokens
 
 
 class ChatCompletionResponse(BaseModel):
@@ -251,6 +255,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     # vLLM: with `prompt_logprobs`, per prompt token (None first) its logprob and alternatives
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the rendered chat's
 
 
 class ChatChunkChoice(BaseModel):
@@ -261,6 +266,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens since the last chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -270,6 +276,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in each choice's first chunk
 
 
 def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:

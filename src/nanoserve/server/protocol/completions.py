@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from nanoserve.engine import WHOLE_VOCAB
 from nanoserve.server.protocol.base import PromptLogprob, UsageInfo
 from nanoserve.server.protocol.errors import InvalidRequest
 from nanoserve.server.protocol.generation import MAX_LOGPROBS, GenerationRequest
@@ -17,7 +18,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(GenerationRequest):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)  # 0, with echo: score the prompt, generate nothing
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=WHOLE_VOCAB, le=MAX_LOGPROBS)  # -1: vLLM's, all
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     best_of: int | None = None
@@ -29,6 +30,8 @@ class CompletionRequest(GenerationRequest):
             raise InvalidRequest("best_of is not supported (only best_of == n)", "best_of")
         if self.suffix:
             raise InvalidRequest("suffix is not supported by this server", "suffix")
+        if self.logprobs == WHOLE_VOCAB:
+            self.check_whole_vocab("logprobs", len(self.prompts()), self.echo)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -65,6 +68,10 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None  # vLLM: the stop string or token id that ended it
     # vLLM: with `prompt_logprobs`, per prompt token (None first) its logprob and alternatives
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    # vLLM's return_token_ids: the prompt's (in a stream, in the choice's first chunk) and the
+    # choice's generated tokens (in a stream, those since the last chunk)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -93,6 +93,7 @@ class GenerationRequest(StrictModel):
         None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS
     )
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the prompt's token ids and each choice's
     # OpenAI's: token ids (as strings, JSON's keys) to biases added to their logits.
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
@@ -242,6 +243,16 @@ class GenerationRequest(StrictModel):
             if value:
                 bias[int(key)] = value
         return bias
+
+    def check_whole_vocab(self, param: str, prompts: int = 1, echo: bool = False) -> None:
+        """Logprobs of the whole vocabulary (-1, vLLM's) on one prompt's unary answer: their
+        chunks would be built on the event loop, and an echo would score the prompt too (the
+        engine bounds their number)."""
+        for refused, why in ((self.stream, "with stream"), (echo, "with echo"),
+                             (prompts > 1, "for several prompts")):  # fmt: skip
+            if refused:
+                raise InvalidRequest(f"{param} -1 (the whole vocabulary) is not served {why}: "
+                                     "ask for it on a unary request", param)  # fmt: skip
 
     @property
     def include_usage(self) -> bool:
