@@ -324,10 +324,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 # Set per replica by --data-parallel-size, not passed on as given.
-PER_REPLICA = (
-    "host", "port", "data_parallel_size", "router_policy", "served_model_name",
-    "kv_cache_memory_gb", "device",
-)  # fmt: skip
+PER_REPLICA = ("host", "port", "data_parallel_size", "router_policy", "served_model_name",
+               "kv_cache_memory_gb", "device")  # fmt: skip
 
 
 def _serve_replicas(args: argparse.Namespace, server: ServerConfig, engine: EngineConfig) -> int:
