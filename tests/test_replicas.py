@@ -341,10 +341,12 @@ def test_the_recipe_for_several_machines_with_an_api_key(tiny_model_dir, tmp_pat
         _wait(lambda: _ready_at(front, auth), tmp_path)
         denied = httpx.post(f"{front}/v1/completions", json=PROMPT, timeout=60)
         assert denied.status_code == 401
-        direct = httpx.post(f"http://127.0.0.1:{ports[1]}/v1/completions", json=PROMPT,
-                            headers=auth, timeout=60).json()["choices"][0]["text"]  # fmt: skip
-        for _ in range(4):
-            r = httpx.post(f"{front}/v1/completions", json=PROMPT, headers=auth, timeout=60)
+        prefix = "You are a careful assistant who answers in one short sentence. " * 8
+        for question in ("Who?", "What?", "Where?", "When?", "Why?", "Who?"):  # shared prefixes
+            body = {**PROMPT, "prompt": prefix + question}
+            direct = httpx.post(f"http://127.0.0.1:{ports[1]}/v1/completions", json=body,
+                                headers=auth, timeout=60).json()["choices"][0]["text"]  # fmt: skip
+            r = httpx.post(f"{front}/v1/completions", json=body, headers=auth, timeout=60)
             assert r.json()["choices"][0]["text"] == direct
         _wait(lambda: len(httpx.get(f"{front}/get_loads", headers=auth).json()["loads"]) == 2,
               tmp_path)  # fmt: skip
