@@ -36,10 +36,12 @@ async def server(tiny_model_dir):
         (C, {**COMPLETION, "logit_bias": {"5": 0}}),
         (C, {**COMPLETION, "stream_options": NO_USAGE}),
         (X, {**CHAT, "prompt_cache_key": "k", "safety_identifier": "user-1234"}),
+        (C, {**COMPLETION, "priority": 0, "request_id": "r-1"}),  # vLLM's, as routers send
         (C, {**COMPLETION, "stream": True, "stream_options": {**NO_USAGE, "include_usage": True}}),
         ("/tokenize", {**MESSAGES, "continue_final_message": False}),
     ],
-    ids=["chat", "chat-logprobs", "logit-bias-0", "no-usage", "bookkeeping", "usage", "tokenize"],
+    ids=["chat", "chat-logprobs", "logit-bias-0", "no-usage", "bookkeeping", "vllm-routing",
+         "usage", "tokenize"],  # fmt: skip
 )
 async def test_fields_at_their_defaults_are_accepted(server, path, body):
     """A field sent at its default changes nothing: no 400 for it."""

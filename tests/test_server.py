@@ -346,6 +346,7 @@ BAD_REQUESTS = [
     (X, _with(CHAT, prompt_logprobs=1, stream=True), "prompt_logprobs", "not supported with"),
     (C, _with(COMPLETION, guided_json="{not json"), "guided_json", "guided_json"),
     (C, _with(COMPLETION, include_stop_str_in_output=True), "include_stop_str_in_output", "not"),
+    (X, _with(CHAT, priority=1), "priority", "not supported"),
     (X, _with(CHAT, tools=[{"type": "function"}]), "tools.0.function", "required"),
     (X, _with(CHAT, tool_choice="required"), "tool_choice", "needs tools"),
     (X, _with(CHAT, functions=[{"name": "f"}]), "functions", "not supported"),

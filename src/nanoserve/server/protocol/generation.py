@@ -106,9 +106,11 @@ class GenerationRequest(StrictModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    request_id: str | None = None  # vLLM's
     # Would change the answer and are not implemented: declared only to be refused by name (at
     # their defaults they change nothing, and are accepted).
     include_stop_str_in_output: bool = False
+    priority: int = 0  # vLLM's priority scheduling: this server runs first come, first served
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields; at most one of them.
     response_format: ResponseFormatSpec | None = None
@@ -123,6 +125,7 @@ class GenerationRequest(StrictModel):
         """The first set parameter that would change the answer and is not implemented."""
         unsupported = {
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "priority": self.priority != 0,
             "structured_outputs.structural_tag": self.structured_outputs is not None
             and self.structured_outputs.structural_tag is not None,
         }
