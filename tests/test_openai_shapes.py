@@ -40,8 +40,16 @@ async def server(tiny_model_dir):
         (C, {**COMPLETION, "stream": True, "stream_options": {**NO_USAGE, "include_usage": True}}),
         ("/tokenize", {**MESSAGES, "continue_final_message": False}),
     ],
-    ids=["chat", "chat-logprobs", "logit-bias-0", "no-usage", "bookkeeping", "vllm-routing",
-         "usage", "tokenize"],  # fmt: skip
+    ids=[
+        "chat",
+        "chat-logprobs",
+        "logit-bias-0",
+        "no-usage",
+        "bookkeeping",
+        "vllm-routing",
+        "usage",
+        "tokenize",
+    ],  # fmt: skip
 )
 async def test_fields_at_their_defaults_are_accepted(server, path, body):
     """A field sent at its default changes nothing: no 400 for it."""
