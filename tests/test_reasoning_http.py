@@ -169,6 +169,30 @@ async def test_the_thinking_budget_forces_the_end_of_the_thinking(server):
     assert reasoning == budgeted["message"]["reasoning_content"]
 
 
+async def test_the_servers_thinking_budget_holds_where_a_request_gives_none(server, qwen3_dir):
+    """`serve --thinking-token-budget 3`: a chat request without a budget thinks as one with
+    thinking_token_budget 3; a request's own budget wins; the Responses API (which has no such
+    field) is held to it too."""
+    budgeted = await _unary(server, {**WEATHER, "thinking_token_budget": 3})
+    own = await _unary(server, {**WEATHER, "thinking_token_budget": 5})
+    async with live_server(qwen3_dir, num_kv_blocks=BLOCKS, thinking_token_budget=3) as held:
+        assert _said(await _unary(held, WEATHER)) == _said(budgeted)
+        assert _said(await _unary(held, {**WEATHER, "thinking_token_budget": 5})) == _said(own)
+        body = {"model": MODEL_NAME, "input": WEATHER["messages"][0]["content"],
+                "tools": [{"type": "function", **WEATHER_TOOL["function"]}],
+                "temperature": 0, "max_output_tokens": 200}  # fmt: skip
+        response = (await held.http.post("/v1/responses", json=body)).json()
+    (thought,) = [item for item in response["output"] if item["type"] == "reasoning"]
+    assert thought["content"][0]["text"] == budgeted["message"]["reasoning_content"]
+
+
+def _said(choice: dict) -> tuple:
+    """A chat answer without its call ids (new each time)."""
+    m = choice["message"]
+    calls = [c["function"] for c in m.get("tool_calls") or []]
+    return m["reasoning_content"], m["content"], calls
+
+
 async def test_a_prompt_that_opens_the_thinking_starts_the_output_in_it(qwen3_dir):
     """DeepSeek-R1's templates end the prompt with <think>: the output is thinking from its
     first token (no <think> of its own: banned here), and the budget counts from there."""

@@ -154,7 +154,7 @@ def _model_argument(parser: argparse.ArgumentParser) -> None:
 
 # chat and generate give every request --max-tokens: the engine's default for a request without
 # one is a serve flag only; so is the reasoning parser (they print the whole text).
-SERVE_ONLY = ("default_max_tokens", "reasoning_parser")
+SERVE_ONLY = ("default_max_tokens", "reasoning_parser", "thinking_token_budget")
 
 
 def _config_flags(

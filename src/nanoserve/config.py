@@ -267,6 +267,11 @@ class EngineConfig:
         "thinking stays in the content)", choices=REASONING_PARSERS,
         unset="think where the chat template has <think> and </think>, else none",
     )  # fmt: skip
+    thinking_token_budget: int | None = setting(
+        None, "a reasoning model's thinking budget for requests that give none (vLLM's request "
+        "field of that name, whose value wins; also the Responses and Messages APIs'): once "
+        "spent, </think> is forced", limit=_integer(0), unset="no budget",
+    )  # fmt: skip
     grammar_compile_seconds: float = setting(
         0.8, "longest a structured-output constraint may take to compile; a longer one is "
         "refused (400)", limit=_number("a number > 0", lambda v: v > 0),

@@ -127,7 +127,14 @@ class AnthropicServer:
         """The chat request, its prompt's ids and its plan, as the chat route makes them."""
         chat = self._chat(req)
         inputs, prompt, ids = await self._render(chat)
-        plan = chat_plan(chat, self.api.tokenizer, self.api.reasoning, inputs, prompt)
+        plan = chat_plan(
+            chat,
+            self.api.tokenizer,
+            self.api.reasoning,
+            inputs,
+            prompt,
+            self.api.serving.thinking_token_budget,
+        )
         return chat, ids, plan
 
     async def _unary(

@@ -50,6 +50,7 @@ class Serving:
         self.grammars = engine.grammars  # thread-safe: handlers compile in worker threads
         self.max_model_len = engine.max_model_len
         self.reasoning_parser = engine.config.reasoning_parser  # None: from the chat template
+        self.thinking_token_budget = engine.config.thinking_token_budget  # a request's wins
         self.max_queue = max_queue
         self.block_size = engine.config.block_size
         self.max_num_seqs = engine.config.max_num_seqs

@@ -57,8 +57,10 @@ def chat_plan(
     parser: ReasoningSyntax | None,
     inputs: ChatInputs,
     prompt: str,
+    default_budget: int | None = None,
 ) -> ChatPlan:
-    """`prompt`: the rendered chat's text."""
+    """`prompt`: the rendered chat's text; `default_budget`: the server's thinking budget, for a
+    request that gives none."""
     syntax, offered = inputs.syntax, inputs.offered
     constraint = req.constraint()
     required = req.required_tools()
@@ -86,7 +88,7 @@ def chat_plan(
     tools = None
     if offered:
         tools = ToolPlan(syntax, frozenset(t["name"] for t in offered), bool(required))
-    reasoning = _reasoning(req, tokenizer, parser, inputs, prompt, params)
+    reasoning = _reasoning(req, tokenizer, parser, inputs, prompt, params, default_budget)
     return ChatPlan(params, tools, reasoning)
 
 
@@ -97,6 +99,7 @@ def _reasoning(
     inputs: ChatInputs,
     prompt: str,
     params: SamplingParams,
+    default_budget: int | None,
 ) -> Reasoning | None:
     """How the output's thinking is read: where it starts (in the prompt, or in the output),
     and what the engine follows of it (a budget; a constraint deferred to the answer, so that the
@@ -110,6 +113,7 @@ def _reasoning(
                 "thinking_token_budget",
             )
         return None
+    budget = default_budget if budget is None else budget
     messages = inputs.messages[:-1] if req.continue_final_message else inputs.messages
     last = messages[-1]["content"] if messages else ""
     started = parser.left_open(prompt, last)

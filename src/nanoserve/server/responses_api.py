@@ -111,7 +111,14 @@ class ResponsesAPI:
             chat = chat_request(req, items)
             inputs = chat_inputs(chat, api.tokenizer.chat_template)
             prompt, token_ids = await api._encode_chat(inputs.messages, True, inputs.kwargs)
-            plan = chat_plan(chat, api.tokenizer, api.reasoning, inputs, prompt)
+            plan = chat_plan(
+                chat,
+                api.tokenizer,
+                api.reasoning,
+                inputs,
+                prompt,
+                api.serving.thinking_token_budget,
+            )
         response_id = new_id("resp")
         fmt = ChatFormat(
             api.tokenizer, response_id, api.model_name, plan.params, plan.tools, plan.reasoning

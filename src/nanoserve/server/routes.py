@@ -144,7 +144,9 @@ class OpenAIServer:
         prompt, token_ids = await self._encode_chat(
             inputs.messages, req.add_generation_prompt, inputs.kwargs, req.continue_final_message
         )
-        plan = chat_plan(req, self.tokenizer, self.reasoning, inputs, prompt)
+        plan = chat_plan(
+            req, self.tokenizer, self.reasoning, inputs, prompt, self.serving.thinking_token_budget
+        )
         fmt = ChatFormat(
             self.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, plan.params,
             plan.tools, plan.reasoning,
