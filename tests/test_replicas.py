@@ -134,9 +134,9 @@ def _launch(model_dir: Path, log: Path, policy: str = "cache_aware") -> Front:
 def front(tiny_model_dir, tmp_path_factory):
     front = _launch(tiny_model_dir, tmp_path_factory.mktemp("dp") / "front.log")
     yield front
-    if front.process.poll() is None:
-        front.process.kill()
-        front.process.wait()
+    if front.process.poll() is None:  # the SIGTERM test did not run: stop it as a user would
+        front.process.terminate()
+        front.process.wait(timeout=60)
 
 
 def _ready(front: Front) -> bool:
