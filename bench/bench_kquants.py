@@ -39,8 +39,9 @@ RESULTS = Path(__file__).parent / "results"
 QUANTS = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M")
 
 
-def llama1b_checkpoint(out: Path, layers: int) -> Path:
-    """A random Llama with Llama-3.2-1B's layer shapes and SmolLM2's tokenizer."""
+def llama1b_checkpoint(out: Path, layers: int, positions: int = 2048) -> Path:
+    """A random Llama with Llama-3.2-1B's layer shapes and SmolLM2's tokenizer, of `positions`
+    positions."""
     gguf_path = default_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name
@@ -48,7 +49,7 @@ def llama1b_checkpoint(out: Path, layers: int) -> Path:
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192,
         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+        head_dim=64, max_position_embeddings=positions, tie_word_embeddings=True,
         rope_theta=500000.0, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip

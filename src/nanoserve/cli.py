@@ -397,9 +397,9 @@ def _run_server(
         serving, name, config.api_key, config.max_body_bytes, aliases, config.responses_store_size
     )
     log.info(
-        "model %r loaded in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %s), context %d tokens",
-        name, load_s, engine.num_blocks, engine.config.block_size, engine.kv_cache_bytes / 2**30,
-        engine.config.dtype, engine.max_model_len,
+        "model %r loaded in %.1f s (%s): %d KV blocks of %d tokens (%.2f GiB, %s), context %d "
+        "tokens", name, load_s, engine.config.dtype, engine.num_blocks, engine.config.block_size,
+        engine.kv_cache_bytes / 2**30, engine.config.kv_cache_dtype, engine.max_model_len,
     )  # fmt: skip
     if engine.worker_pids:
         pids = ", ".join(map(str, engine.worker_pids))

@@ -213,8 +213,14 @@ class EngineConfig:
         limit=POSITIVE,
     )  # fmt: skip
     dtype: str = setting(
-        "float32", "of activations, float weights and KV cache; auto: the fastest correct one "
-        "here", choices=(*DTYPES, "auto"),
+        "float32", "of activations and float weights (and by default the KV cache); auto: the "
+        "fastest correct one here", choices=(*DTYPES, "auto"),
+    )  # fmt: skip
+    kv_cache_dtype: str = setting(
+        "auto", "of the KV cache: auto is the activations' dtype, but float16 where a float32 "
+        "model's matrices are GGUF blocks (as llama.cpp's cache); a 16-bit cache holds twice the "
+        "tokens of a float32 one in the same memory (CUDA: the activations' dtype only)",
+        choices=(*DTYPES, "auto"),
     )  # fmt: skip
     quantization: str = setting(
         "auto", "auto: a GGUF's matrices stay in their own formats where the kernels take them "
@@ -307,6 +313,15 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's dtype, once resolved (model.resolve_dtype)."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_dtype 'auto' is resolved with the model (resolve_dtype)")
+        return getattr(torch, self.kv_cache_dtype)
 
 
 # smg's policies (server/replicas.py): cache_aware keeps a conversation's prefix on one replica.

@@ -157,7 +157,7 @@ class Engine:
             margin_at=lambda context: working_margin(mc, self.config, context) * ranks,
             context=self.max_model_len,
             weights=weights,
-            dtype=self.config.dtype,
+            dtype=self.config.kv_cache_dtype,
             draft=draft is not None,
         )
 

@@ -67,7 +67,7 @@ class ModelRunner:
         self.cpu_step: CpuDecodeStep | None = decode_step(self.model, self.device, parallel)
         self.block_bytes = block_bytes(
             mc.num_layers, self.model.num_kv_heads, mc.head_dim, config.block_size,
-            config.torch_dtype,
+            config.kv_torch_dtype,
         )  # fmt: skip
         self.num_blocks = parallel.min(config.num_kv_blocks or self._pool_size(), self.device)
         self.kv_caches = self._cache(self.num_blocks)
@@ -194,7 +194,7 @@ class ModelRunner:
         mc, c = self.model.config, self.config
         return allocate_cache(
             mc.num_layers, num_blocks, self.model.num_kv_heads, c.block_size, mc.head_dim,
-            c.torch_dtype, self.device,
+            c.kv_torch_dtype, self.device,
         )  # fmt: skip
 
     def _pool_size(self) -> int:

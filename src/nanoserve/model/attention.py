@@ -42,7 +42,7 @@ def attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim], any KV dtype
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -85,11 +85,12 @@ def _prefill(
 ) -> torch.Tensor:
     cached = chunk.context_len - chunk.length
     if cached == 0:
-        # Nothing before this chunk: attend to the fresh keys directly, no gather.
-        keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
+        # Nothing before this chunk: attend to the fresh keys directly, no gather, rounded as
+        # the cache holds them (what a later chunk or decode step reads).
+        keys, values, mask = _as_cached(k, k_cache), _as_cached(v, v_cache), None
     else:
-        keys = _gather(k_cache, chunk)
-        values = _gather(v_cache, chunk)
+        keys = _gather(k_cache, chunk).to(q.dtype)
+        values = _gather(v_cache, chunk).to(q.dtype)
     if cached or (window and chunk.length > window):
         rows = torch.arange(chunk.length, device=q.device).unsqueeze(1) + cached
         cols = torch.arange(chunk.context_len, device=q.device).unsqueeze(0)
@@ -106,6 +107,14 @@ def _prefill(
         enable_gqa=True,
     )
     return out.transpose(0, 1)
+
+
+def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Fresh keys or values [tokens, kv_heads, head_dim] as [kv_heads, tokens, head_dim], rounded
+    to the cache's dtype and back."""
+    if cache.dtype != x.dtype:
+        x = x.to(cache.dtype).to(x.dtype)
+    return x.transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, SettingError
 from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS
 from nanoserve.model import hugepages
 from nanoserve.model.checkpoint import Checkpoint
@@ -31,21 +31,45 @@ def resolve_dtype(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
     """dtype "auto": the fastest correct dtype for the device. CUDA: bfloat16. CPU: float32 when
     the weights are (or will be) GGUF blocks, whose kernels take float32 activations; else
     bfloat16 where oneDNN multiplies it natively (AVX-512 BF16, AMX), float32 elsewhere (an
-    emulated bfloat16 matmul is slower than float32)."""
-    if config.dtype != "auto":
-        return config
-    if config.device.startswith("cuda"):
-        dtype, why = "bfloat16", "a GPU"
-    elif config.quantization not in ("auto", "none") or (
-        config.quantization == "auto" and checkpoint.block_formats()
-    ):
-        dtype, why = "float32", "weights in GGUF blocks take float32 activations"
-    elif onednn_packs(torch.bfloat16):
-        dtype, why = "bfloat16", "this CPU multiplies bfloat16 natively"
-    else:
-        dtype, why = "float32", "this CPU has no native bfloat16 matmul"
-    log.info("dtype auto: %s (%s)", dtype, why)
-    return replace(config, dtype=dtype)
+    emulated bfloat16 matmul is slower than float32). Then kv_cache_dtype (`_kv_dtype`)."""
+    blocks = config.quantization not in ("auto", "none") or (
+        config.quantization == "auto" and bool(checkpoint.block_formats())
+    )
+    if config.dtype == "auto":
+        if config.device.startswith("cuda"):
+            dtype, why = "bfloat16", "a GPU"
+        elif blocks:
+            dtype, why = "float32", "weights in GGUF blocks take float32 activations"
+        elif onednn_packs(torch.bfloat16):
+            dtype, why = "bfloat16", "this CPU multiplies bfloat16 natively"
+        else:
+            dtype, why = "float32", "this CPU has no native bfloat16 matmul"
+        log.info("dtype auto: %s (%s)", dtype, why)
+        config = replace(config, dtype=dtype)
+    return replace(config, kv_cache_dtype=_kv_dtype(config, blocks))
+
+
+def _kv_dtype(config: EngineConfig, blocks: bool) -> str:
+    """kv_cache_dtype "auto": the activations' dtype, but float16 for float32 activations of
+    GGUF-block matrices on a CPU (llama.cpp's cache: half the bytes a token, and a quantized
+    model's outputs already differ from its float32 ones by more than the rounding). A float32
+    float model keeps a float32 cache, as transformers computes it. CUDA's Triton kernels read
+    the cache in the activations' dtype: any other is refused."""
+    kv = config.kv_cache_dtype
+    if config.device.startswith("cuda") and kv not in ("auto", config.dtype):
+        raise SettingError(
+            "kv_cache_dtype", kv, f"auto or the activations' dtype ({config.dtype}) on CUDA, "
+            "whose kernels read the cache in it",
+        )  # fmt: skip
+    if kv != "auto":
+        return kv
+    kv = (
+        "float16"
+        if blocks and config.dtype == "float32" and config.device == "cpu"
+        else config.dtype
+    )
+    log.info("kv_cache_dtype auto: %s", kv)
+    return kv
 
 
 def load_model(

@@ -56,7 +56,10 @@ class Serving:
         self.max_num_seqs = engine.config.max_num_seqs
         self.metrics = metrics or Metrics()
         self.metrics.on_start(
-            engine.config.block_size, engine.num_blocks, engine.config.dtype, engine.kv_cache_bytes
+            engine.config.block_size,
+            engine.num_blocks,
+            engine.config.kv_cache_dtype,
+            engine.kv_cache_bytes,
         )
         self._admit = engine.admit  # reads fixed settings only: any thread may call it
         self._compile = engine.compile_constraint  # thread-safe; milliseconds to seconds
