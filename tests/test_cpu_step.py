@@ -20,10 +20,16 @@ def _spy(monkeypatch, step) -> list[int]:
     return rows
 
 
-def _generate(model_dir, dtype, one_call, prompts, monkeypatch, max_tokens=20, **engine_args):
+def _generate(
+    model_dir, dtype, one_call, prompts, monkeypatch, max_tokens=20, cache_dtype=None, **engine_args
+):
+    """Tokens and logprobs of greedy generations; cache_dtype: the KV caches swapped for empty
+    ones of that dtype before any step (prompts are prefilled whole, from their fresh keys)."""
     llm = LLM(str(model_dir), dtype=dtype, block_size=8, **engine_args)
     runner = llm.engine.runner
     assert runner.cpu_step is not None
+    if cache_dtype is not None:
+        runner.kv_caches = [(k.to(cache_dtype), v.to(cache_dtype)) for k, v in runner.kv_caches]
     rows = _spy(monkeypatch, runner.cpu_step)
     if not one_call:
         runner.cpu_step = None
@@ -50,6 +56,23 @@ def test_one_call_step_matches_layer_by_layer(tiny_model_dir, monkeypatch, dtype
                 assert abs(step_a[token].logprob - step_b[token].logprob) <= tol
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_one_call_step_over_16_bit_caches_matches_layer_by_layer(
+    tiny_model_dir, monkeypatch, cache_dtype
+):
+    """float32 activations over bfloat16 or float16 KV caches: the C step stores the keys
+    rounded to the cache and attends over it, as the layer-by-layer path's kernels do."""
+    prompts = [list(range(3 + 5 * i, 3 + 5 * i + n)) for i, n in enumerate((5, 17, 30))]
+    args = (tiny_model_dir, "float32")
+    ours = _generate(*args, True, prompts, monkeypatch, cache_dtype=cache_dtype)
+    theirs = _generate(*args, False, prompts, monkeypatch, cache_dtype=cache_dtype)
+    assert [t for t, _ in ours] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(ours, theirs, strict=True):
+        for step_a, step_b in zip(a, b, strict=True):
+            for token in step_a.keys() & step_b.keys():
+                assert abs(step_a[token].logprob - step_b[token].logprob) <= 1e-4
+
+
 def test_one_call_step_is_used_only_where_it_applies(tiny_model_dir, monkeypatch):
     """Decode batches of up to 4 rows only: never a prefill, never 5 or more sequences."""
     llm = LLM(str(tiny_model_dir), dtype="float32")
@@ -71,10 +94,21 @@ def test_an_explicit_attention_backend_keeps_the_layer_by_layer_path(tiny_model_
 
 
 def test_c_step_refuses_caches_of_another_dtype(tiny_model_dir):
+    """Caches of the activations' dtype, or 16-bit ones under float32 activations, all layers
+    alike."""
     llm = LLM(str(tiny_model_dir), dtype="float32")
     step, caches = llm.engine.runner.cpu_step, llm.engine.runner.kv_caches
-    with pytest.raises(ValueError, match="KV caches must be"):
-        step.layer_table([(k.bfloat16(), v.bfloat16()) for k, v in caches], torch.float32)
+
+    def copies(dtype: torch.dtype) -> list:  # new tensors: a table is rebuilt for new caches
+        return [(k.to(dtype), v.to(dtype)) for k, v in caches]
+
+    assert step.layer_table(copies(torch.float16), torch.float32) is not None
+    with pytest.raises(ValueError, match=r"KV caches must be of the activations' dtype"):
+        step.layer_table(copies(torch.float16), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"KV caches must be of the activations' dtype"):
+        step.layer_table(copies(torch.float64), torch.float32)
+    with pytest.raises(ValueError, match=r"of one dtype \(torch.float16\)"):
+        step.layer_table([copies(torch.float16)[0], *caches[1:]], torch.float32)
 
 
 def test_c_step_rejects_a_slot_outside_the_cache(tiny_model_dir):

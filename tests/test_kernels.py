@@ -262,6 +262,20 @@ def test_slots_never_written_are_not_read(gen, device, backend):
     assert torch.isfinite(got).all() and torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("device,backend", [p for p in KERNELS if p.values[1] == "triton"])
+def test_triton_refuses_float32_q_over_a_16_bit_cache(gen, device, backend):
+    """The torch and C backends take float32 q and keys with a bfloat16 cache; Triton's kernels
+    take the cache's dtype only, and say so rather than convert."""
+    case = make_case(gen, [5, 20], 4, 2, 64, 8, torch.bfloat16, device)
+    q = case.q.float()
+    with pytest.raises(TypeError, match="backend='triton' needs q of the kv cache dtype"):
+        kernels.paged_attention_decode(q, *case.args()[1:], backend=backend)
+    key = torch.zeros((2, 2, 64), device=device)
+    slots = torch.tensor([0, 1], device=device)
+    with pytest.raises(TypeError, match="backend='triton' needs key of the kv cache dtype"):
+        kernels.store_kv(key, key, case.k_cache, case.v_cache, slots, backend=backend)
+
+
 @pytest.mark.parametrize("device,backend,dtype", INVARIANCE)
 def test_batch_invariance(gen, device, backend, dtype):
     """A sequence's output is bitwise the same alone (with its table trimmed to its own blocks) and

@@ -36,8 +36,8 @@
 /* The most parts a fused matrix comes in (q, k, v). */
 enum { STEP_PARTS = 3 };
 
-/* A tensor the step reads: its data, and how it is stored: 0, floats of the step's dtype; else
- * (a matrix only) the GGML type id of its GGUF blocks. A matrix of parts in different formats
+/* A tensor the step reads: its data, and how it is stored: 0, floats of the step's dtype (a KV
+ * cache: of the table's cache_dtype); else (a matrix only) the GGML type id of its GGUF blocks. A matrix of parts in different formats
  * has parts > 1: part[i] holds rows[i] rows of it, in blocks of format[i] at data[i] (data and
  * format are then part 0's). */
 typedef struct {
@@ -52,7 +52,8 @@ typedef struct {
 } step_tensor;
 
 /* One decoder layer: its weights, field for field model/weights.py's LayerWeights, and its KV
- * cache, k_cache and v_cache [num_blocks, kv_heads, block_size, head_dim] of the step's dtype. */
+ * cache, k_cache and v_cache [num_blocks, kv_heads, block_size, head_dim] of the table's
+ * cache_dtype. */
 typedef struct {
     step_tensor input_norm, qkv, o, post_norm, gate_up, down;
     step_tensor qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm; /* NULL: absent */
@@ -95,6 +96,7 @@ static step_tensor *field_of(const layer_weights *w, int f) {
 static const char *const TABLE_NAME = "nanoserve.layer_table";
 typedef struct {
     Py_ssize_t num_layers;
+    int cache_dtype; /* of every layer's k_cache and v_cache */
     layer_weights layers[];
 } layer_table;
 
@@ -203,7 +205,7 @@ static void split_qkv(const step_args *s, const step_scratch *b, const kv_cache 
         const char *row = b->qkv + (size_t)(r * qkv_width) * es;
         memcpy(b->q + (size_t)(r * q_width) * es, row, (size_t)q_width * es);
         const char *key = row + (size_t)q_width * es;
-        ns_store_kv_token(c, key, key + (size_t)kv_width * es, s->slots[r]);
+        ns_store_kv_token(c, key, key + (size_t)kv_width * es, s->dtype, s->slots[r]);
     }
 }
 
@@ -224,7 +226,7 @@ static int attention_half(const step_args *s, const step_scratch *b, const layer
                         a.window ? s->local_sin : s->sin, M, s->heads + s->kv_heads, D, qkv_width,
                         s->dtype, s->threads);
     const kv_cache c = {(char *)w->k_cache.data, (char *)w->v_cache.data, s->kv_heads,
-                        a.block_size, (size_t)D * ns_dtype_size(s->dtype)};
+                        a.block_size, D, a.cache_dtype};
     split_qkv(s, b, &c);
     a.out = b->attn;
     a.q = b->q;
@@ -313,6 +315,7 @@ static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
     a->head_dim = s->head_dim;
     a->scale = (float)scale;
     a->dtype = s->dtype;
+    a->cache_dtype = s->table->cache_dtype;
     return 0;
 }
 
@@ -324,6 +327,19 @@ static int check_sizes(const step_args *s) {
         s->head_dim < 2 || s->head_dim % 2 || s->intermediate < 1 || a->block_size < 1 ||
         a->num_blocks < 1 || a->max_blocks_per_seq < 1 || s->threads < 1) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: inconsistent sizes or dtype code");
+        return -1;
+    }
+    return 0;
+}
+
+/* 0, or -1 with a ValueError set when the caches' dtype is neither the step's nor (under float32
+ * activations) bfloat16 or float16. */
+static int check_caches(const step_args *s) {
+    if (s->attn.cache_dtype != s->dtype && s->dtype != NS_F32) {
+        PyErr_Format(PyExc_ValueError,
+                     "decode_layers: KV caches of dtype code %d need float32 activations or "
+                     "caches of the activations' dtype (code %d)",
+                     s->attn.cache_dtype, s->dtype);
         return -1;
     }
     return 0;
@@ -386,7 +402,8 @@ PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *k
     step_args s = {0}; /* attn.window 0: the C step runs no sliding window */
     Py_ssize_t table_rows;
     if (parse_step_args(args, kwargs, &s, &table_rows) < 0 || check_sizes(&s) < 0 ||
-        check_formats(&s) < 0 || check_parts(&s) < 0 || nanoserve_check_positions(s.positions, s.rows, table_rows) < 0 ||
+        check_formats(&s) < 0 || check_parts(&s) < 0 || check_caches(&s) < 0 ||
+        nanoserve_check_positions(s.positions, s.rows, table_rows) < 0 ||
         nanoserve_check_slots(s.slots, s.rows, 1,
                               (int64_t)s.attn.num_blocks * s.attn.block_size) < 0 ||
         nanoserve_check_tables(&s.attn) < 0)
@@ -497,13 +514,22 @@ static void free_table(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, T
 
 PyObject *nanoserve_py_layer_table(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    static char *kwlist[] = {"layers", NULL};
+    static char *kwlist[] = {"layers", "cache_dtype_code", NULL};
     PyObject *list;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", kwlist, &PyList_Type, &list)) return NULL;
+    int cache_dtype = NS_F32;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|i", kwlist, &PyList_Type, &list,
+                                     &cache_dtype))
+        return NULL;
+    if (!ns_dtype_ok(cache_dtype)) {
+        PyErr_Format(PyExc_ValueError, "layer_table: cache_dtype_code %d is no dtype code",
+                     cache_dtype);
+        return NULL;
+    }
     const Py_ssize_t n = PyList_GET_SIZE(list);
     layer_table *t = malloc(sizeof *t + (size_t)n * sizeof(layer_weights));
     if (!t) return PyErr_NoMemory();
     t->num_layers = n;
+    t->cache_dtype = cache_dtype;
     for (Py_ssize_t i = 0; i < n; i++)
         if (fill_layer(&t->layers[i], PyList_GET_ITEM(list, i), i) < 0) {
             free(t);

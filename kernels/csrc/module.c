@@ -20,10 +20,12 @@ static PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "paged_attention_decode(out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, "
      "num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq, scale, "
-     "dtype_code, num_threads): pointers as ints, contiguous tensors."},
+     "dtype_code, cache_dtype_code, num_threads, window=0): pointers as ints, contiguous "
+     "tensors."},
     {"store_kv", KW_FUNCTION(nanoserve_py_store_kv), METH_VARARGS | METH_KEYWORDS,
      "store_kv(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, "
-     "block_size, num_blocks, elem_size, slots_are_int64): pointers as ints."},
+     "block_size, num_blocks, dtype_code, cache_dtype_code, slots_are_int64): pointers as ints; "
+     "keys rounded to the cache's dtype."},
     {"small_linear", KW_FUNCTION(nanoserve_py_small_linear), METH_VARARGS | METH_KEYWORDS,
      "small_linear(out, x, w, M, N, K, dtype_code, num_threads): out[m, n] = sum_k x[m, k] * "
      "w[n, k] for M <= GEMV_ROWS rows, float32 (0) or bfloat16 (1); pointers as ints."},
@@ -43,10 +45,11 @@ static PyMethodDef methods[] = {
      "GEMV_ROWS rows through every layer, h updated in place; layers: what layer_table returns; "
      "pointers as ints."},
     {"layer_table", KW_FUNCTION(nanoserve_py_layer_table), METH_VARARGS | METH_KEYWORDS,
-     "layer_table(layers): decode_layers' layers from a list of dicts, one a layer, {field: "
-     "(pointer, format)} for every field of the C step's struct layer_weights (its weights and "
-     "KV cache, by name); format 0 for floats of the step's dtype, else (a matrix only, with "
-     "float32 activations) the GGML type id of its GGUF blocks (BLOCK_FORMATS)."},
+     "layer_table(layers, cache_dtype_code=0): decode_layers' layers from a list of dicts, one "
+     "a layer, {field: (pointer, format)} for every field of the C step's struct layer_weights "
+     "(its weights and KV cache, by name); format 0 for floats of the step's dtype (the caches: "
+     "of cache_dtype_code), else (a matrix only, with float32 activations) the GGML type id of "
+     "its GGUF blocks (BLOCK_FORMATS)."},
     {"check_tables", KW_FUNCTION(nanoserve_py_check_tables), METH_VARARGS | METH_KEYWORDS,
      "check_tables(block_tables, context_lens, num_seqs, max_blocks_per_seq, block_size, "
      "num_blocks): paged attention's check of its int32 tables; ValueError names an entry."},

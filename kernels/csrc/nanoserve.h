@@ -15,8 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The dtype codes Python passes (kernels/python/c_backend.py DTYPE_CODES). Float16 is a cache
- * dtype of paged attention and the KV store only; the other kernels take float32 and bfloat16. */
+/* The dtype codes Python passes (kernels/python/c_backend.py DTYPE_CODES). Float16 is a dtype
+ * of paged attention and the KV store only; the other kernels take float32 and bfloat16. */
 enum ns_dtype { NS_F32 = 0, NS_BF16 = 1, NS_F16 = 2 };
 
 /* Rows the GEMV (and so the one-call decode step) takes at most; exported as _C.GEMV_ROWS, from
@@ -32,6 +32,11 @@ enum { NS_STEP_ROWS = 16 };
 #else
 #define ALWAYS_INLINE inline
 #endif
+
+/* Whether dtype is one of the codes above. */
+static inline int ns_dtype_ok(int dtype) {
+    return dtype == NS_F32 || dtype == NS_BF16 || dtype == NS_F16;
+}
 
 /* Bytes of one element of dtype. */
 static inline size_t ns_dtype_size(int dtype) { return dtype == NS_F32 ? 4 : 2; }
@@ -115,7 +120,9 @@ static inline float ns_round(float f, int dtype) {
 }
 
 /* paged_attention.c: decode attention of one query token per sequence over the paged KV cache,
- * [num_blocks, num_kv_heads, block_size, head_dim]; dtype float32, bfloat16 or float16. */
+ * [num_blocks, num_kv_heads, block_size, head_dim]. Each of dtype (q and out) and cache_dtype (k
+ * and v) is float32, bfloat16 or float16; any pair works (kernels/python/api.py allows q of
+ * float32 or of the cache's dtype). */
 typedef struct {
     void *out;
     const void *q, *k, *v;
@@ -124,7 +131,8 @@ typedef struct {
     Py_ssize_t max_blocks_per_seq;
     Py_ssize_t window; /* > 0: attend to the last `window` positions only; 0: to all */
     float scale;
-    int dtype;
+    int dtype;       /* of q and out */
+    int cache_dtype; /* of k and v */
 } decode_args;
 
 /* 0, or -1 when a thread could not allocate its scratch. */
@@ -142,27 +150,52 @@ int nanoserve_check_slots(const void *slots, Py_ssize_t n, int slots_are_int64, 
 /* norm_rope.c: positions in [0, table_rows), the rows of the cos/sin tables. */
 int nanoserve_check_positions(const int64_t *positions, Py_ssize_t n, Py_ssize_t table_rows);
 
-/* A layer's KV cache: k_cache and v_cache [num_blocks, num_kv_heads, block_size, head_dim], rows
- * of row_bytes (head_dim elements). */
+/* A layer's KV cache: k_cache and v_cache [num_blocks, num_kv_heads, block_size, head_dim] of
+ * dtype (float32, bfloat16 or float16). */
 typedef struct {
     char *k_cache, *v_cache;
-    Py_ssize_t num_kv_heads, block_size;
-    size_t row_bytes;
+    Py_ssize_t num_kv_heads, block_size, head_dim;
+    int dtype;
 } kv_cache;
 
+/* n values of src_dtype as dst_dtype (each float32, bfloat16 or float16): widened exactly, then
+ * narrowed to nearest even, the rounding of torch's .to() (a NaN stays a NaN, its bits may
+ * differ). */
+static inline void ns_convert(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n) {
+    if (dst_dtype == src_dtype) {
+        memcpy(dst, src, n * ns_dtype_size(src_dtype));
+        return;
+    }
+    const uint16_t *s16 = (const uint16_t *)src;
+    uint16_t *d16 = (uint16_t *)dst;
+    for (size_t i = 0; i < n; i++) {
+        const float f = src_dtype == NS_BF16  ? ns_bf16_to_f32(s16[i])
+                        : src_dtype == NS_F16 ? ns_f16_to_f32(s16[i])
+                                              : ((const float *)src)[i];
+        if (dst_dtype == NS_BF16)
+            d16[i] = ns_f32_to_bf16(f);
+        else if (dst_dtype == NS_F16)
+            d16[i] = ns_f32_to_f16(f);
+        else
+            ((float *)dst)[i] = f;
+    }
+}
+
 /* The KV store, of kernels.store_kv (paged_attention.c) and of the decode step (decode_step.c):
- * one token's key and value, num_kv_heads rows each, into cache slot `slot` = block * block_size
- * + offset. A negative slot (a padding row) is skipped; the caller has checked that the others are
- * inside the cache. */
+ * one token's key and value, num_kv_heads rows each of src_dtype, into cache slot `slot` = block *
+ * block_size + offset, converted to the cache's dtype. A negative slot (a padding row) is skipped;
+ * the caller has checked that the others are inside the cache. */
 static inline void ns_store_kv_token(const kv_cache *c, const char *key, const char *value,
-                                     int64_t slot) {
+                                     int src_dtype, int64_t slot) {
     if (slot < 0) return;
-    const size_t heads = (size_t)c->num_kv_heads, bs = (size_t)c->block_size, row = c->row_bytes;
+    const size_t heads = (size_t)c->num_kv_heads, bs = (size_t)c->block_size;
+    const size_t d = (size_t)c->head_dim, es = ns_dtype_size(c->dtype);
+    const size_t src_row = d * ns_dtype_size(src_dtype);
     const size_t blk = (size_t)(slot / c->block_size), off = (size_t)(slot % c->block_size);
     for (size_t h = 0; h < heads; h++) {
-        const size_t dst = ((blk * heads + h) * bs + off) * row;
-        memcpy(c->k_cache + dst, key + h * row, row);
-        memcpy(c->v_cache + dst, value + h * row, row);
+        const size_t dst = ((blk * heads + h) * bs + off) * d * es;
+        ns_convert(c->k_cache + dst, c->dtype, key + h * src_row, src_dtype, d);
+        ns_convert(c->v_cache + dst, c->dtype, value + h * src_row, src_dtype, d);
     }
 }
 

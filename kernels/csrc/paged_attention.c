@@ -1,14 +1,19 @@
 /* Paged-attention decode and KV-cache store on the CPU: plain C11 + OpenMP, CPython C API only.
  *
- * Python passes data pointers, sizes and a dtype code as int keyword arguments
- * (kernels/python/c_backend.py); every tensor is contiguous. Cache layout: [num_blocks,
- * num_kv_heads, block_size, head_dim]. One OpenMP work item is one (sequence, KV head): its query
- * heads are processed together, so each key and value row is read from memory once; the softmax is
- * online, in float32, and bf16/fp16 values are widened as they are read. Inner loops are written
- * for gcc's auto-vectoriser (check with -fopt-info-vec); no intrinsics, no -ffast-math.
+ * Python passes data pointers, sizes and dtype codes (of q and out, and of the cache) as int
+ * keyword arguments (kernels/python/c_backend.py); every tensor is contiguous. Cache layout:
+ * [num_blocks, num_kv_heads, block_size, head_dim]. One OpenMP work item is one (sequence, KV
+ * head, partition of the context): its query heads are processed together, so each key and value
+ * row is read from memory once; the softmax is online, in float32, and bf16/fp16 cache values are
+ * widened as they are read. Inner loops are written for gcc's auto-vectoriser (check with
+ * -fopt-info-vec); no intrinsics but F16C's float16 widening where the CPU has it, no
+ * -ffast-math.
  */
 #include "nanoserve.h"
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -43,8 +48,12 @@ static void load_row(float *restrict dst, const void *restrict src, Py_ssize_t n
         for (Py_ssize_t i = 0; i < n; i++) dst[i] = ns_bf16_to_f32(s[i]);
     } else if (dtype == NS_F16) {
         const uint16_t *s = (const uint16_t *)src;
-#pragma omp simd
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = ns_f16_to_f32(s[i]);
+        Py_ssize_t i = 0;
+#if defined(__F16C__) /* the CPU's conversion: gcc does not vectorise ns_f16_to_f32 as well */
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = ns_f16_to_f32(s[i]);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
@@ -228,95 +237,264 @@ static inline void load_block(float *restrict dst, const char *src, Py_ssize_t n
     memset(dst + n * d, 0, (size_t)((bs - n) * d) * sizeof(float));
 }
 
-/* One work item: query heads [kvh * group, (kvh + 1) * group) of sequence seq. d, bs and dtype
- * are arguments so that decode_item can pass constants for the common cases. */
-static ALWAYS_INLINE void decode_one(const decode_args *a, const scratch *s, Py_ssize_t seq,
-                                     Py_ssize_t kvh, const Py_ssize_t d, const Py_ssize_t bs,
-                                     const int dtype) {
-    const Py_ssize_t group = a->num_q_heads / a->num_kv_heads;
-    const size_t es = ns_dtype_size(dtype);
-    const Py_ssize_t ctx = a->context_lens[seq];
-    const int32_t *table = a->block_tables + seq * a->max_blocks_per_seq;
-    const Py_ssize_t q_off = (seq * a->num_q_heads + kvh * group) * d;
-    const size_t block_bytes = (size_t)(bs * d) * es;
-    const size_t head_bytes = (size_t)kvh * block_bytes;
-    const size_t stride = (size_t)a->num_kv_heads * block_bytes; /* between blocks */
+/* Split-K. A context longer than one partition of PARTITION_TOKENS tokens (rounded up to whole
+ * blocks) is read partition by partition, each a work item of its own, so that one long sequence
+ * spreads over the threads; each writes its softmax state (running max m, sum l and unnormalised
+ * acc per query head) to its row of partials, and a sequence's partitions are then merged in
+ * order. The boundaries depend on the context length alone and the merge order is fixed, so a
+ * row's output is the same bits alone, in any batch and under any thread count. A context of one
+ * partition (after the window) is one work item that writes out itself, with no merge.
+ * 512 tokens: a partition is long enough that its setup (the query heads) and merge are little
+ * beside its reading, and short enough that a few of them keep every thread busy (measured with
+ * bench/experiments/decode_kv_dtype.py). */
+enum { PARTITION_TOKENS = 512 };
 
+/* The query heads of KV head kvh of sequence seq over tokens [begin, end) of its context. */
+typedef struct {
+    Py_ssize_t seq, kvh, begin, end;
+    Py_ssize_t partial; /* its row of partials; -1: the whole context, written to out */
+} work_item;
+
+/* The partitions of KV head kvh of sequence seq: rows first .. first + count - 1 of partials. */
+typedef struct {
+    Py_ssize_t seq, kvh, first, count;
+} merge_item;
+
+typedef struct {
+    work_item *items;
+    merge_item *merges;
+    float *partials; /* a row per partition work item: acc [group, head_dim], m [group], l [group] */
+    Py_ssize_t num_items, num_merges;
+} split_plan;
+
+static Py_ssize_t partition_tokens(Py_ssize_t bs) {
+    return (PARTITION_TOKENS + bs - 1) / bs * bs;
+}
+
+static size_t partial_floats(const decode_args *a) {
+    return (size_t)(a->num_q_heads / a->num_kv_heads * (a->head_dim + 2));
+}
+
+/* The first position a sequence of ctx tokens attends to. */
+static Py_ssize_t window_start(const decode_args *a, Py_ssize_t ctx) {
+    return a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+}
+
+/* Partitions [first, first + count) of a context: from the one that holds the window's start. */
+static void partitions_of(const decode_args *a, Py_ssize_t seq, Py_ssize_t *first,
+                          Py_ssize_t *count) {
+    const Py_ssize_t ctx = a->context_lens[seq], part = partition_tokens(a->block_size);
+    *first = window_start(a, ctx) / part;
+    *count = (ctx - 1) / part - *first + 1;
+}
+
+/* Appends sequence seq's work items to p; where it has more than one partition, its merges too,
+ * its partitions taking rows of partials from *row on. */
+static void plan_sequence(const decode_args *a, split_plan *p, Py_ssize_t seq, Py_ssize_t *row) {
+    const Py_ssize_t ctx = a->context_lens[seq], start = window_start(a, ctx);
+    const Py_ssize_t part = partition_tokens(a->block_size);
+    Py_ssize_t first, count;
+    partitions_of(a, seq, &first, &count);
+    for (Py_ssize_t kvh = 0; kvh < a->num_kv_heads; kvh++) {
+        if (count == 1) {
+            p->items[p->num_items++] = (work_item){seq, kvh, start, ctx, -1};
+            continue;
+        }
+        p->merges[p->num_merges++] = (merge_item){seq, kvh, *row, count};
+        for (Py_ssize_t i = first; i < first + count; i++) {
+            const Py_ssize_t begin = i * part > start ? i * part : start;
+            const Py_ssize_t end = (i + 1) * part < ctx ? (i + 1) * part : ctx;
+            p->items[p->num_items++] = (work_item){seq, kvh, begin, end, (*row)++};
+        }
+    }
+}
+
+static void free_plan(split_plan *p) {
+    free(p->items);
+    free(p->merges);
+    free(p->partials);
+}
+
+/* The work items and merges of a call; 0, or -1 when out of memory. */
+static int plan_work(const decode_args *a, split_plan *p) {
+    *p = (split_plan){0};
+    Py_ssize_t items = 0, split_seqs = 0, rows = 0;
+    for (Py_ssize_t seq = 0; seq < a->num_seqs; seq++) {
+        Py_ssize_t first, count;
+        partitions_of(a, seq, &first, &count);
+        items += count * a->num_kv_heads;
+        split_seqs += count > 1;
+        rows += count > 1 ? count * a->num_kv_heads : 0;
+    }
+    /* (+ 1: no zero-byte malloc, whose NULL would read as out of memory) */
+    p->items = malloc((size_t)(items + 1) * sizeof(work_item));
+    p->merges = malloc((size_t)(split_seqs * a->num_kv_heads + 1) * sizeof(merge_item));
+    p->partials = malloc(((size_t)rows * partial_floats(a) + 1) * sizeof(float));
+    if (!p->items || !p->merges || !p->partials) {
+        free_plan(p);
+        return -1;
+    }
+    Py_ssize_t row = 0;
+    for (Py_ssize_t seq = 0; seq < a->num_seqs; seq++) plan_sequence(a, p, seq, &row);
+    return 0;
+}
+
+/* Query heads [kvh * group, (kvh + 1) * group) of sequence seq into s->q, scaled, and a fresh
+ * softmax state. */
+static void start_item(const decode_args *a, const scratch *s, Py_ssize_t seq, Py_ssize_t kvh) {
+    const Py_ssize_t group = a->num_q_heads / a->num_kv_heads, d = a->head_dim;
+    const size_t es = ns_dtype_size(a->dtype);
+    const Py_ssize_t q_off = (seq * a->num_q_heads + kvh * group) * d;
     for (Py_ssize_t g = 0; g < group; g++) {
         float *qrow = s->q + g * d;
-        load_row(qrow, (const char *)a->q + (size_t)(q_off + g * d) * es, d, dtype);
+        load_row(qrow, (const char *)a->q + (size_t)(q_off + g * d) * es, d, a->dtype);
         for (Py_ssize_t i = 0; i < d; i++) qrow[i] *= a->scale;
         memset(s->acc + g * d, 0, (size_t)d * sizeof(float));
         s->m[g] = -INFINITY;
         s->l[g] = 0.0f;
     }
-    /* A sliding window starts at position first: blocks wholly before it are skipped, and the
-     * rows before it in its block masked (that block holds position first, so every block read
-     * has a score above -inf). */
-    const Py_ssize_t first = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
-    for (Py_ssize_t j = first / bs; j * bs < ctx; j++) {
-        const Py_ssize_t n = ctx - j * bs < bs ? ctx - j * bs : bs;
-        const Py_ssize_t lo = j == first / bs ? first % bs : 0;
-        const char *kb = (const char *)a->k + (size_t)table[j] * stride + head_bytes;
-        const char *vb = (const char *)a->v + (size_t)table[j] * stride + head_bytes;
-        const char *next_k = NULL, *next_v = NULL;
-        if ((j + 1) * bs < ctx) {
-            next_k = (const char *)a->k + (size_t)table[j + 1] * stride + head_bytes;
-            next_v = (const char *)a->v + (size_t)table[j + 1] * stride + head_bytes;
-        }
-        if (n == bs) {
-            block_step(s, kb, vb, dtype, lo, n, group, d, bs, next_k, next_v, (size_t)d * es);
-        } else { /* the last, partial block: zero-padded to a whole one */
-            load_block(s->k, kb, n, bs, d, dtype);
-            load_block(s->v, vb, n, bs, d, dtype);
-            block_step(s, (const char *)s->k, (const char *)s->v, NS_F32, lo, n, group, d, bs,
-                       NULL, NULL, 0);
-        }
-    }
+}
+
+/* The softmax state in s, normalised, as the output rows of its query heads. */
+static void finish_item(const decode_args *a, const scratch *s, Py_ssize_t seq, Py_ssize_t kvh) {
+    const Py_ssize_t group = a->num_q_heads / a->num_kv_heads, d = a->head_dim;
+    const Py_ssize_t out_off = (seq * a->num_q_heads + kvh * group) * d;
     for (Py_ssize_t g = 0; g < group; g++) {
         float *acc = s->acc + g * d;
         const float inv = 1.0f / s->l[g];
         for (Py_ssize_t i = 0; i < d; i++) acc[i] *= inv;
-        store_row((char *)a->out + (size_t)(q_off + g * d) * es, acc, d, dtype);
+        store_row((char *)a->out + (size_t)(out_off + g * d) * ns_dtype_size(a->dtype), acc, d,
+                  a->dtype);
     }
 }
 
-static ALWAYS_INLINE void decode_shape(const decode_args *a, const scratch *s, Py_ssize_t seq,
-                                       Py_ssize_t kvh, const int dtype) {
+/* Tokens [begin, end) of sequence seq's cache of KV head kvh into the softmax state of s; begin
+ * is at or after the window's start, end a block boundary or the context's end. d, bs and
+ * cache_dtype are arguments so that decode_item can pass constants for the common cases. */
+static ALWAYS_INLINE void attend(const decode_args *a, const scratch *s, Py_ssize_t seq,
+                                 Py_ssize_t kvh, Py_ssize_t begin, Py_ssize_t end,
+                                 const Py_ssize_t d, const Py_ssize_t bs, const int cache_dtype) {
+    const Py_ssize_t group = a->num_q_heads / a->num_kv_heads, ctx = a->context_lens[seq];
+    const size_t es = ns_dtype_size(cache_dtype);
+    const int32_t *table = a->block_tables + seq * a->max_blocks_per_seq;
+    const size_t block_bytes = (size_t)(bs * d) * es;
+    const size_t head_bytes = (size_t)kvh * block_bytes;
+    const size_t stride = (size_t)a->num_kv_heads * block_bytes; /* between blocks */
+    /* The block that holds begin is read whole and its rows before begin masked (a sliding
+     * window's start: that block holds a position at or after it, so every block read has a
+     * score above -inf). */
+    for (Py_ssize_t j = begin / bs; j * bs < end; j++) {
+        const Py_ssize_t n = end - j * bs < bs ? end - j * bs : bs;
+        const Py_ssize_t lo = j == begin / bs ? begin % bs : 0;
+        const char *kb = (const char *)a->k + (size_t)table[j] * stride + head_bytes;
+        const char *vb = (const char *)a->v + (size_t)table[j] * stride + head_bytes;
+        const char *next_k = NULL, *next_v = NULL;
+        if ((j + 1) * bs < ctx) { /* past end too: the next partition's first block */
+            next_k = (const char *)a->k + (size_t)table[j + 1] * stride + head_bytes;
+            next_v = (const char *)a->v + (size_t)table[j + 1] * stride + head_bytes;
+        }
+        if (n == bs && cache_dtype != NS_F16) {
+            block_step(s, kb, vb, cache_dtype, lo, n, group, d, bs, next_k, next_v,
+                       (size_t)d * es);
+        } else {
+            /* The last, partial block, zero-padded to a whole one; and float16 blocks, whose
+             * widening vectorises as a loop of its own but not inside the dot products. */
+            load_block(s->k, kb, n, bs, d, cache_dtype);
+            load_block(s->v, vb, n, bs, d, cache_dtype);
+            block_step(s, (const char *)s->k, (const char *)s->v, NS_F32, lo, n, group, d, bs,
+                       next_k, next_v, (size_t)d * es);
+        }
+    }
+}
+
+/* The softmax state of s as a row of partials. */
+static void save_partial(const decode_args *a, const scratch *s, float *row) {
+    const Py_ssize_t group = a->num_q_heads / a->num_kv_heads, d = a->head_dim;
+    memcpy(row, s->acc, (size_t)(group * d) * sizeof(float));
+    memcpy(row + group * d, s->m, (size_t)group * sizeof(float));
+    memcpy(row + group * d + group, s->l, (size_t)group * sizeof(float));
+}
+
+/* One work item: a whole context written to out, or a partition's softmax state to its row of
+ * partials. */
+static ALWAYS_INLINE void decode_one(const decode_args *a, const scratch *s, const work_item *it,
+                                     float *partials, const Py_ssize_t d, const Py_ssize_t bs,
+                                     const int cache_dtype) {
+    start_item(a, s, it->seq, it->kvh);
+    attend(a, s, it->seq, it->kvh, it->begin, it->end, d, bs, cache_dtype);
+    if (it->partial < 0)
+        finish_item(a, s, it->seq, it->kvh);
+    else
+        save_partial(a, s, partials + (size_t)it->partial * partial_floats(a));
+}
+
+static ALWAYS_INLINE void decode_shape(const decode_args *a, const scratch *s, const work_item *it,
+                                       float *partials, const int cache_dtype) {
     const Py_ssize_t d = a->head_dim, bs = a->block_size;
     if (d == 64 && bs == 16)
-        decode_one(a, s, seq, kvh, 64, 16, dtype);
+        decode_one(a, s, it, partials, 64, 16, cache_dtype);
     else if (d == 128 && bs == 16)
-        decode_one(a, s, seq, kvh, 128, 16, dtype);
+        decode_one(a, s, it, partials, 128, 16, cache_dtype);
     else
-        decode_one(a, s, seq, kvh, d, bs, dtype);
+        decode_one(a, s, it, partials, d, bs, cache_dtype);
 }
 
-static void decode_item(const decode_args *a, const scratch *s, Py_ssize_t seq, Py_ssize_t kvh) {
-    if (a->dtype == NS_BF16)
-        decode_shape(a, s, seq, kvh, NS_BF16);
-    else if (a->dtype == NS_F16)
-        decode_shape(a, s, seq, kvh, NS_F16);
+static void decode_item(const decode_args *a, const scratch *s, const work_item *it,
+                        float *partials) {
+    if (a->cache_dtype == NS_BF16)
+        decode_shape(a, s, it, partials, NS_BF16);
+    else if (a->cache_dtype == NS_F16)
+        decode_shape(a, s, it, partials, NS_F16);
     else
-        decode_shape(a, s, seq, kvh, NS_F32);
+        decode_shape(a, s, it, partials, NS_F32);
 }
 
-/* Runs with the GIL released; returns 0, or -1 when a thread could not allocate its scratch. */
+/* The partitions of mi, merged in order into the output rows of its query heads: each partition's
+ * l and acc scaled by exp(its m - the largest m). */
+static void merge_partitions(const decode_args *a, const scratch *s, const merge_item *mi,
+                             const float *partials) {
+    const Py_ssize_t group = a->num_q_heads / a->num_kv_heads, d = a->head_dim;
+    const size_t width = partial_floats(a);
+    const float *rows = partials + (size_t)mi->first * width;
+    for (Py_ssize_t g = 0; g < group; g++) {
+        float m = -INFINITY, l = 0.0f;
+        for (Py_ssize_t i = 0; i < mi->count; i++) m = fmaxf(m, rows[i * width + group * d + g]);
+        float *restrict acc = s->acc + g * d;
+        memset(acc, 0, (size_t)d * sizeof(float));
+        for (Py_ssize_t i = 0; i < mi->count; i++) {
+            const float *restrict row = rows + i * width;
+            const float w = exp_nonpos(row[group * d + g] - m);
+            l += row[group * d + group + g] * w;
+            for (Py_ssize_t x = 0; x < d; x++) acc[x] += w * row[g * d + x];
+        }
+        s->l[g] = l;
+    }
+    finish_item(a, s, mi->seq, mi->kvh);
+}
+
+/* Runs with the GIL released; returns 0, or -1 when out of memory. */
 int nanoserve_decode_attention(const decode_args *a, int num_threads) {
-    const Py_ssize_t items = a->num_seqs * a->num_kv_heads;
+    split_plan p;
+    if (plan_work(a, &p) < 0) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         scratch s = {0};
         float *base = scratch_alloc(a, &s);
         if (!base) failed = 1;
-        /* Context lengths differ between sequences: hand out items one at a time. */
+        /* Items differ in length (contexts, a last partition): hand them out one at a time. */
 #pragma omp for schedule(dynamic, 1)
-        for (Py_ssize_t item = 0; item < items; item++) {
-            if (base) decode_item(a, &s, item / a->num_kv_heads, item % a->num_kv_heads);
+        for (Py_ssize_t i = 0; i < p.num_items; i++) {
+            if (base) decode_item(a, &s, &p.items[i], p.partials);
+        }
+        /* (the loop's barrier: every partition is written before a merge reads it) */
+#pragma omp for schedule(dynamic, 1)
+        for (Py_ssize_t i = 0; i < p.num_merges; i++) {
+            if (base) merge_partitions(a, &s, &p.merges[i], p.partials);
         }
         free(base);
     }
+    free_plan(&p);
     return failed ? -1 : 0;
 }
 
@@ -365,20 +543,20 @@ PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, Py
     static char *kwlist[] = {"out", "q", "k_cache", "v_cache", "block_tables", "context_lens",
                              "num_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size",
                              "num_blocks", "max_blocks_per_seq", "scale", "dtype_code",
-                             "num_threads", "window", NULL};
+                             "cache_dtype_code", "num_threads", "window", NULL};
     unsigned long long out, q, k, v, tables, lens;
     decode_args a = {0};
     double scale;
     int num_threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKKnnnnnnndii|n", kwlist, &out, &q, &k, &v,
-                                     &tables, &lens, &a.num_seqs, &a.num_q_heads, &a.num_kv_heads,
-                                     &a.head_dim, &a.block_size, &a.num_blocks,
-                                     &a.max_blocks_per_seq, &scale, &a.dtype, &num_threads,
-                                     &a.window))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKKnnnnnnndiii|n", kwlist, &out, &q, &k,
+                                     &v, &tables, &lens, &a.num_seqs, &a.num_q_heads,
+                                     &a.num_kv_heads, &a.head_dim, &a.block_size, &a.num_blocks,
+                                     &a.max_blocks_per_seq, &scale, &a.dtype, &a.cache_dtype,
+                                     &num_threads, &a.window))
         return NULL;
-    if (a.dtype < NS_F32 || a.dtype > NS_F16 || a.num_kv_heads < 1 || a.head_dim < 1 ||
-        a.window < 0 ||
-        a.block_size < 1 || a.num_q_heads % a.num_kv_heads != 0 || num_threads < 1) {
+    if (!ns_dtype_ok(a.dtype) || !ns_dtype_ok(a.cache_dtype) || a.num_kv_heads < 1 ||
+        a.head_dim < 1 || a.window < 0 || a.block_size < 1 ||
+        a.num_q_heads % a.num_kv_heads != 0 || num_threads < 1) {
         PyErr_SetString(PyExc_ValueError,
                         "paged_attention_decode: inconsistent sizes or dtype code");
         return NULL;
@@ -434,28 +612,32 @@ PyObject *nanoserve_py_check_slots(PyObject *self, PyObject *args, PyObject *kwa
 PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *kwlist[] = {"key", "value", "k_cache", "v_cache", "slot_mapping", "num_tokens",
-                             "num_kv_heads", "head_dim", "block_size", "num_blocks", "elem_size",
-                             "slots_are_int64", NULL};
+                             "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype_code",
+                             "cache_dtype_code", "slots_are_int64", NULL};
     unsigned long long key, value, k_cache, v_cache, slots;
-    Py_ssize_t num_tokens, head_dim, num_blocks, elem_size;
+    Py_ssize_t num_tokens, num_blocks;
     kv_cache c;
-    int slots_are_int64;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKnnnnnni", kwlist, &key, &value, &k_cache,
-                                     &v_cache, &slots, &num_tokens, &c.num_kv_heads, &head_dim,
-                                     &c.block_size, &num_blocks, &elem_size, &slots_are_int64))
+    int dtype, slots_are_int64;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKnnnnniii", kwlist, &key, &value,
+                                     &k_cache, &v_cache, &slots, &num_tokens, &c.num_kv_heads,
+                                     &c.head_dim, &c.block_size, &num_blocks, &dtype, &c.dtype,
+                                     &slots_are_int64))
         return NULL;
+    if (!ns_dtype_ok(dtype) || !ns_dtype_ok(c.dtype)) {
+        PyErr_SetString(PyExc_ValueError, "store_kv: unknown dtype code");
+        return NULL;
+    }
     const void *slot_mapping = (const void *)(uintptr_t)slots;
     if (nanoserve_check_slots(slot_mapping, num_tokens, slots_are_int64,
                               (int64_t)num_blocks * c.block_size) < 0)
         return NULL;
     c.k_cache = (char *)(uintptr_t)k_cache;
     c.v_cache = (char *)(uintptr_t)v_cache;
-    c.row_bytes = (size_t)(head_dim * elem_size);
-    const size_t token_bytes = (size_t)c.num_kv_heads * c.row_bytes;
+    const size_t token_bytes = (size_t)(c.num_kv_heads * c.head_dim) * ns_dtype_size(dtype);
     Py_BEGIN_ALLOW_THREADS;
     for (Py_ssize_t i = 0; i < num_tokens; i++)
         ns_store_kv_token(&c, (const char *)(uintptr_t)key + (size_t)i * token_bytes,
-                          (const char *)(uintptr_t)value + (size_t)i * token_bytes,
+                          (const char *)(uintptr_t)value + (size_t)i * token_bytes, dtype,
                           slot_at(slot_mapping, i, slots_are_int64));
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;

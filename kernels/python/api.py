@@ -39,9 +39,13 @@ def paged_attention_decode(
     """Attention of one new query token per sequence over its paged KV cache; returns out.
 
     q [num_seqs, num_q_heads, head_dim]; k_cache, v_cache [num_blocks, num_kv_heads, block_size,
-    head_dim] of q's dtype (float32, bfloat16 or float16); block_tables [num_seqs,
-    max_blocks_per_seq] int32, of which only the first ceil(context_lens[i] / block_size) entries of
-    row i are read; context_lens [num_seqs] int32, tokens attended to, the current one included.
+    head_dim] of one dtype, float32, bfloat16 or float16; q (and out) float32 or of the cache's
+    dtype: float32 q with a bfloat16 or float16 cache (float32 activations over a 16-bit cache)
+    on the torch and c backends, q of the cache's dtype on every backend. The cache is widened
+    to float32 as it is read, the softmax and sums are float32, out is rounded to q's dtype.
+    block_tables [num_seqs, max_blocks_per_seq] int32, of which only the first
+    ceil(context_lens[i] / block_size) entries of row i are read; context_lens [num_seqs] int32,
+    tokens attended to, the current one included.
     backend: "auto" (triton for CUDA tensors, c for CPU tensors), "torch", "c" or "triton".
     window: a sliding window, > 0: the query (at position context_lens[i] - 1) attends to the
     last `window` positions only; 0: to all.
@@ -52,6 +56,7 @@ def paged_attention_decode(
     if out is None:
         out = torch.empty_like(q)
     impl = _backend(backend, q.device)
+    _check_backend_dtypes(impl, "q", q, k_cache)
     if impl is not c_backend and q.device.type == "cpu":
         c_backend.check_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[2])
     if window:
@@ -72,9 +77,15 @@ def store_kv(
     backend: str = "auto",
 ) -> None:
     """Writes key[i] and value[i] ([num_tokens, num_kv_heads, head_dim]) into cache slot
-    slot_mapping[i] = block * block_size + offset; a negative slot is skipped."""
+    slot_mapping[i] = block * block_size + offset; a negative slot is skipped.
+
+    k_cache and v_cache of one dtype, float32, bfloat16 or float16; key and value of one dtype,
+    float32 or the cache's: float32 keys are rounded to a 16-bit cache as stored (to nearest
+    even, as key.to(k_cache.dtype)) on the torch and c backends; keys of the cache's dtype are
+    copied on every backend."""
     _check_store(key, value, k_cache, v_cache, slot_mapping)
     impl = _backend(backend, key.device)
+    _check_backend_dtypes(impl, "key", key, k_cache)
     if impl is not c_backend and key.device.type == "cpu" and slot_mapping.numel():
         c_backend.check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[2])
     impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -286,13 +297,31 @@ def _check_cache(k: object, v: object) -> tuple[int, ...]:
     return tuple(k_cache.shape)
 
 
+def _check_activation_dtype(name: str, t: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """q or key: float32, or of the cache's dtype."""
+    if t.dtype not in (torch.float32, k_cache.dtype):
+        raise TypeError(
+            f"{name} dtype {t.dtype} must be float32 or the kv cache dtype {k_cache.dtype}"
+        )
+
+
+def _check_backend_dtypes(
+    impl: ModuleType, name: str, t: torch.Tensor, k_cache: torch.Tensor
+) -> None:
+    """Only the torch and C backends take float32 q or key with a 16-bit cache."""
+    if t.dtype != k_cache.dtype and impl not in (torch_ref, c_backend):
+        raise TypeError(
+            f"backend='triton' needs {name} of the kv cache dtype {k_cache.dtype}, got {name} "
+            f"dtype {t.dtype} (the torch and c backends take float32 {name} with a 16-bit cache)"
+        )
+
+
 def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -> None:
     _, num_kv_heads, _, head_dim = _check_cache(k_cache, v_cache)
     _check_tensor("q", q, _Q_LAYOUT)
     _check_tensor("block_tables", block_tables, "[num_seqs, max_blocks_per_seq]")
     _check_tensor("context_lens", context_lens, "[num_seqs]")
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    _check_activation_dtype("q", q, k_cache)
     _check_dtype("block_tables", block_tables, (torch.int32,))
     _check_dtype("context_lens", context_lens, (torch.int32,))
     num_seqs, num_q_heads, q_head_dim = q.shape
@@ -325,13 +354,14 @@ def _check_store(key, value, k_cache, v_cache, slot_mapping) -> None:
     _, num_kv_heads, _, head_dim = _check_cache(k_cache, v_cache)
     for name, t in (("key", key), ("value", value)):
         _check_tensor(name, t, _KV_LAYOUT)
-        if t.dtype != k_cache.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} differs from the cache dtype {k_cache.dtype}")
         if tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(
                 f"{name} shape {tuple(t.shape)} does not match the cache's "
                 f"(num_kv_heads, head_dim) = {(num_kv_heads, head_dim)}"
             )
+    _check_activation_dtype("key", key, k_cache)
+    if value.dtype != key.dtype:
+        raise TypeError(f"value dtype {value.dtype} differs from key dtype {key.dtype}")
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
     _check_tensor("slot_mapping", slot_mapping, "[num_tokens]")

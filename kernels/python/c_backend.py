@@ -76,6 +76,7 @@ def paged_attention_decode(
         scale=float(scale),
         window=window,
         dtype_code=DTYPE_CODES[q.dtype],
+        cache_dtype_code=DTYPE_CODES[k_cache.dtype],
         num_threads=torch.get_num_threads(),  # one thread setting for torch and the kernel
     )
 
@@ -99,7 +100,8 @@ def store_kv(
         head_dim=head_dim,
         block_size=block_size,
         num_blocks=num_blocks,
-        elem_size=key.element_size(),
+        dtype_code=DTYPE_CODES[key.dtype],  # rounded to the cache's dtype as stored
+        cache_dtype_code=DTYPE_CODES[k_cache.dtype],
         slots_are_int64=int(slot_mapping.dtype == torch.int64),
     )
 
@@ -252,15 +254,19 @@ def check_positions(positions: torch.Tensor, table_rows: int) -> None:
         )
 
 
-def layer_table(layers: list[dict[str, tuple[int, int]]]) -> object:
+def layer_table(
+    layers: list[dict[str, tuple[int, int]]], cache_dtype: torch.dtype = torch.float32
+) -> object:
     """decode_layers' layers: per layer a dict {field: (data pointer, format)} naming every field
     of the C step's struct layer_weights (kernels/csrc/decode_step.c): a layer's weights, as
     src/nanoserve/model/weights.py's LayerWeights names them, then k_cache and v_cache. Format 0:
-    floats of the step's dtype; else a QTYPE_CODES value, a matrix of GGUF blocks (rows of
-    blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's), which needs a float32 h
-    (its matmul rounds it to int16 per block, as kernels.quant.quantized_linear). An opaque
-    object, holding the pointers (not the tensors behind them)."""
-    return _C.layer_table(layers=layers)
+    floats of the step's dtype (the caches: of cache_dtype, float32, bfloat16 or float16, which
+    is the step's dtype or takes float32 activations); else a QTYPE_CODES value, a matrix of
+    GGUF blocks (rows of blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's),
+    which needs a float32 h (its matmul rounds it to int16 per block, as
+    kernels.quant.quantized_linear). An opaque object, holding the pointers (not the tensors
+    behind them)."""
+    return _C.layer_table(layers=layers, cache_dtype_code=DTYPE_CODES[cache_dtype])
 
 
 def decode_layers(

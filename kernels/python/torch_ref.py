@@ -29,6 +29,8 @@ def paged_attention_decode(
     used = torch.arange(num_blocks, device=q.device) * block_size < lens[:, None]
     tables = torch.where(used, block_tables[:, :num_blocks].long(), 0)
 
+    # The cache (of q's dtype, or 16-bit under float32 q) and q are widened to float32; out's
+    # copy_ rounds the result to q's dtype.
     def gather(cache: torch.Tensor) -> torch.Tensor:
         blocks = cache[tables]  # [seqs, blocks, kv_heads, block_size, head_dim]
         rows = blocks.transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, head_dim)
@@ -61,8 +63,9 @@ def store_kv(
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced indices around a slice: the indexed view is [tokens, kv_heads, head_dim], like key.
-    k_cache[blocks, :, offsets] = key[keep]
-    v_cache[blocks, :, offsets] = value[keep]
+    # float32 keys for a 16-bit cache are rounded to it here (the C store rounds alike).
+    k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value[keep].to(v_cache.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:

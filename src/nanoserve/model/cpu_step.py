@@ -110,7 +110,8 @@ class CpuDecodeStep:
 
     def layer_table(self, kv_caches: KVCaches, dtype: torch.dtype) -> object:
         """The C step's layers (weights and KV caches), rebuilt (and the caches checked) when a
-        cache changes."""
+        cache changes. The caches: all of one dtype, the activations' (dtype), or bfloat16 or
+        float16 under float32 activations (the C step rounds each key to them as stored)."""
         caches = [t for pair in kv_caches for t in pair]
         if len(caches) == len(self._caches) and all(
             a is b for a, b in zip(caches, self._caches, strict=True)
@@ -120,17 +121,24 @@ class CpuDecodeStep:
             raise ValueError(f"{len(kv_caches)} KV cache pairs for {len(self.weights)} layers")
         c = self.config
         shape = (caches[0].shape[0], c.num_kv_heads, caches[0].shape[2], c.head_dim)
+        cache_dtype = caches[0].dtype
+        sixteen_bit = (torch.bfloat16, torch.float16)
+        if cache_dtype != dtype and not (dtype == torch.float32 and cache_dtype in sixteen_bit):
+            raise ValueError(
+                f"KV caches must be of the activations' dtype ({dtype}), or bfloat16 or float16 "
+                f"under float32 activations; got {cache_dtype}"
+            )
         for t in caches:
-            if t.shape != shape or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+            if t.shape != shape or t.dtype != cache_dtype or not t.is_cpu or not t.is_contiguous():
                 raise ValueError(
-                    f"KV caches must be contiguous CPU tensors of {dtype} shaped {shape}, got "
-                    f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                    f"KV caches must be contiguous CPU tensors of one dtype ({cache_dtype}) "
+                    f"shaped {shape}, got {tuple(t.shape)} {t.dtype} on {t.device}"
                 )
         layers = [
             {**w, "k_cache": (k.data_ptr(), 0), "v_cache": (v.data_ptr(), 0)}
             for w, (k, v) in zip(self.weights, kv_caches, strict=True)
         ]
-        self._caches, self._table = caches, c_backend.layer_table(layers)
+        self._caches, self._table = caches, c_backend.layer_table(layers, cache_dtype)
         return self._table
 
 
