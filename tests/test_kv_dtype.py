@@ -66,8 +66,9 @@ def test_a_16_bit_cache_holds_twice_the_tokens_in_the_same_memory(tiny_model_dir
         kv: LLM(str(tiny_model_dir), kv_cache_memory_gb=0.01, kv_cache_dtype=kv).engine
         for kv in ("float32", "float16")
     }
-    assert engines["float16"].num_blocks == 2 * engines["float32"].num_blocks
-    assert engines["float16"].kv_cache_bytes == engines["float32"].kv_cache_bytes
+    half, full = engines["float16"], engines["float32"]
+    assert half.num_blocks // 2 == full.num_blocks  # each as many as fit, rounded down
+    assert 0 <= half.kv_cache_bytes - full.kv_cache_bytes <= half.runner.block_bytes
     caches = engines["float16"].runner.kv_caches
     assert {t.dtype for pair in caches for t in pair} == {torch.float16}
 
@@ -112,17 +113,33 @@ def reference(tiny_model_dir):
     return torch.log_softmax(logits.double(), dim=-1)
 
 
-@pytest.mark.parametrize("kv", KV_DTYPES)
-@pytest.mark.parametrize("chunk", [2048, 16])
-def test_prompt_logprobs_stay_close_to_transformers(tiny_model_dir, reference, kv, chunk):
-    """Whole and in chunks of 16 (each chunk reading the earlier ones from the cache): within
-    1e-4 of transformers with a float32 cache, within the rounding of a 16-bit one."""
-    llm = LLM(str(tiny_model_dir), kv_cache_dtype=kv, max_num_batched_tokens=chunk)
+def _prompt_logprobs(model_dir, **engine_args) -> list[float]:
+    llm = LLM(str(model_dir), **engine_args)
     params = SamplingParams(prompt_logprobs=0, max_tokens=1)
     out = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
-    ours = [out.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))]
+    return [out.prompt_logprobs[i][PROMPT[i]].logprob for i in range(1, len(PROMPT))]
+
+
+def _worst(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+@pytest.mark.parametrize("chunk", [2048, 16])
+def test_prompt_logprobs_equal_the_torch_reference_and_stay_near_transformers(
+    tiny_model_dir, reference, kv, chunk
+):
+    """Whole and in chunks of 16 (each chunk reading the earlier ones from the cache): the C
+    kernels within 1e-4 of the torch reference kernels over the same cache dtype; within 1e-4 of
+    transformers with a float32 cache, within the rounding of a 16-bit one (this random model's
+    attention logits are large, so its rounding shows more than a trained model's)."""
+    ours = _prompt_logprobs(tiny_model_dir, kv_cache_dtype=kv, max_num_batched_tokens=chunk)
+    torch_ref = _prompt_logprobs(
+        tiny_model_dir, kv_cache_dtype=kv, max_num_batched_tokens=chunk, attention_backend="torch"
+    )
+    assert _worst(ours, torch_ref) <= 1e-4
     theirs = [float(reference[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))]
-    worst = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
-    assert worst <= {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}[kv]
+    worst = _worst(ours, theirs)
+    assert worst <= {"float32": 1e-4, "float16": 0.05, "bfloat16": 0.3}[kv]
     if kv != "float32":
-        assert worst > 1e-7  # the cache really is rounded
+        assert worst > 1e-6  # the cache really is rounded

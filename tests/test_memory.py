@@ -111,7 +111,7 @@ async def test_rss_when_ready_holds_the_pool_and_the_weights():
     pool, weights = 0.5 * GiB, default_model_path().stat().st_size
     async with serve_command(None, "--kv-cache-memory", "0.5") as (proc, server):
         assert _rss(proc.pid) >= 0.9 * (pool + weights)
-        assert "KV blocks of 16 tokens (0.50 GiB, float32)" in server.startup_log
+        assert "KV blocks of 16 tokens (0.50 GiB, float16)" in server.startup_log
 
 
 def test_the_offline_llm_holds_its_pool_once_built(tiny_model_dir):

@@ -94,11 +94,12 @@ def _real_text_ids(tokenizer, count: int) -> list[int]:
     return ids[:count]
 
 
-def _agreement(path, capsys, label: str) -> tuple[float, float]:
+def _agreement(path, capsys, label: str, kv: str = "float32") -> tuple[float, float]:
     """Teacher-forced over 2,000 positions of this repository's own prose: how often the most
-    likely next token with the file's blocks is the de-quantized float32 model's, and the largest
-    difference of the actual token's logprob."""
-    blocks, floats = LLM(str(path)), LLM(str(path), quantization="none")
+    likely next token with the file's blocks (and a KV cache of `kv`) is the de-quantized float32
+    model's (float32 cache), and the largest difference of the actual token's logprob."""
+    blocks = LLM(str(path), kv_cache_dtype=kv)
+    floats = LLM(str(path), quantization="none", kv_cache_dtype="float32")
     ids = _real_text_ids(blocks.engine.tokenizer, 2001)
     params = SamplingParams(prompt_logprobs=1, max_tokens=0)
     a, b = (
@@ -120,6 +121,12 @@ def test_smollm2_blocks_agree_with_the_dequantized_model_on_real_text(capsys):
     """The default model's Q4_1 blocks against its de-quantized float32 self."""
     agree, diff = _agreement(SMOLLM, capsys, "q4_1")
     assert agree >= AGREEMENT and diff < LOGPROB_DIFF
+
+
+def test_smollm2_blocks_with_their_default_float16_cache_agree_too(capsys):
+    """What the server runs by default: the Q4_1 blocks over a float16 KV cache (llama.cpp's)."""
+    agree, diff = _agreement(SMOLLM, capsys, "q4_1, float16 KV", kv="auto")
+    assert agree >= AGREEMENT and diff < LOGPROB_DIFF_KV16
 
 
 def test_smollm2_q4_k_m_by_llama_cpp_agrees_with_the_dequantized_model(capsys, tmp_path):
@@ -146,6 +153,9 @@ def test_smollm2_q4_k_m_by_llama_cpp_agrees_with_the_dequantized_model(capsys, t
 # with the earlier lanes along K); int8 activations, llama.cpp's: 0.9595 and 0.40, which flips
 # "What is the capital of France?" to "L'Étoile, ...".
 AGREEMENT, LOGPROB_DIFF = 0.995, 0.01
+# With the float16 cache: 1.0000 and 0.0370 (Q4_1), 0.9995 and 0.0240 (Q4_K_M): a float16 key
+# differs from float32 by up to 2^-11 of itself, and SmolLM2's largest keys are large.
+LOGPROB_DIFF_KV16 = 0.06
 
 
 def test_dtype_auto_picks_the_fastest_correct_dtype(tiny_model_dir, monkeypatch):
