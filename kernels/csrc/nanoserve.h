@@ -92,6 +92,27 @@ static inline uint16_t ns_f32_to_f16(float f) {
     return sign | (uint16_t)(a >> 13);
 }
 
+/* exp(x) for x <= 0 (or -inf), about 1 ulp, written so that loops over it vectorise (libm's expf
+ * only vectorises under -ffast-math). Shared by the attention kernels, so decode and prefill weigh
+ * their scores alike. Cody-Waite reduction x = n ln2 + r, Taylor series in r. */
+static inline float ns_exp_nonpos(float x) {
+    const float min_x = -87.0f; /* exp(-87) ~ 1.6e-38: the smallest result with a normal 2^n */
+    float xc = x < min_x ? min_x : x;
+    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest integer */
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    float two_n = ns_bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+    return x < min_x ? 0.0f : p * two_n;
+}
+
 /* Element i of a float32 or bfloat16 array, as float32. */
 static inline float ns_load(const void *p, Py_ssize_t i, int dtype) {
     if (dtype == NS_BF16) return ns_bf16_to_f32(((const uint16_t *)p)[i]);

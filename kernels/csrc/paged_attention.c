@@ -15,26 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp(x) for x <= 0 (or -inf), about 1 ulp, written so that loops over it vectorise (libm's expf
- * only vectorises under -ffast-math). Cody-Waite reduction x = n ln2 + r, Taylor series in r. */
-static inline float exp_nonpos(float x) {
-    const float min_x = -87.0f; /* exp(-87) ~ 1.6e-38: the smallest result with a normal 2^n */
-    float xc = x < min_x ? min_x : x;
-    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest integer */
-    float r = xc - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    float two_n = ns_bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
-    return x < min_x ? 0.0f : p * two_n;
-}
-
 /* Widen n values of dtype to float32. */
 static void load_row(float *restrict dst, const void *restrict src, Py_ssize_t n, int dtype) {
     if (dtype == NS_BF16) {
@@ -129,11 +109,11 @@ static inline float exp_sum(float *restrict x, float shift, Py_ssize_t n) {
     Py_ssize_t i = 0;
     for (; i + ATTN_LANES <= n; i += ATTN_LANES)
         for (int l = 0; l < ATTN_LANES; l++) {
-            x[i + l] = exp_nonpos(x[i + l] - shift);
+            x[i + l] = ns_exp_nonpos(x[i + l] - shift);
             part[l] += x[i + l];
         }
     for (; i < n; i++) {
-        x[i] = exp_nonpos(x[i] - shift);
+        x[i] = ns_exp_nonpos(x[i] - shift);
         part[0] += x[i];
     }
     for (int l = 0; l < 8; l++) part[l] += part[l + 8];
@@ -212,7 +192,7 @@ static inline void block_step(const scratch *s, const char *restrict k, const ch
         for (Py_ssize_t t = 0; t < lo; t++) sc[t] = -INFINITY;
         for (Py_ssize_t t = n; t < bs; t++) sc[t] = -INFINITY;
         const float m_new = fmaxf(max_of(sc, bs), s->m[g]);
-        const float alpha = exp_nonpos(s->m[g] - m_new);
+        const float alpha = ns_exp_nonpos(s->m[g] - m_new);
         s->l[g] = s->l[g] * alpha + exp_sum(sc, m_new, bs);
         s->m[g] = m_new;
         float *restrict acc = s->acc + g * d;
