@@ -151,6 +151,24 @@ typedef struct {
 /* 0, or -1 when a thread could not allocate its scratch. */
 int nanoserve_decode_attention(const decode_args *a, int num_threads);
 
+/* prefill_attention.c: one sequence's chunk of num_tokens queries, at positions context_len -
+ * num_tokens ... context_len - 1, attending causally to the paged KV cache (which already holds the
+ * chunk's own keys and values); q and out float32 or bfloat16, the cache float32, bfloat16 or
+ * float16. */
+typedef struct {
+    void *out;
+    const void *q, *k, *v;
+    const int32_t *block_table;
+    Py_ssize_t num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    Py_ssize_t table_len, context_len;
+    Py_ssize_t window; /* > 0: position p attends to (p - window, p] only; 0: to [0, p] */
+    float scale;
+    int q_dtype, cache_dtype;
+} prefill_args;
+
+/* 0, or -1 when a thread could not allocate its scratch. */
+int nanoserve_prefill_attention(const prefill_args *a, int num_threads);
+
 /* The value checks of the kernels' index tables, each in one place (here in C: the C paths run
  * them at C speed, and kernels/python/api.py runs the same ones for the torch and Triton paths on
  * CPU tensors). Each returns 0, or -1 with a ValueError set naming the first entry at fault (call
@@ -158,6 +176,9 @@ int nanoserve_decode_attention(const decode_args *a, int num_threads);
 /* paged_attention.c: context_lens in [1, max_blocks_per_seq * block_size], and the block_tables
  * entries they use in [0, num_blocks). */
 int nanoserve_check_tables(const decode_args *a);
+/* prefill_attention.c: context_len in [max(num_tokens, 1), table_len * block_size], and the
+ * block_table entries it uses in [0, num_blocks). */
+int nanoserve_check_prefill_table(const prefill_args *a);
 /* paged_attention.c: slots below num_slots (negative ones, padding rows, are skipped). */
 int nanoserve_check_slots(const void *slots, Py_ssize_t n, int slots_are_int64, int64_t num_slots);
 /* norm_rope.c: positions in [0, table_rows), the rows of the cos/sin tables. */
@@ -212,6 +233,8 @@ void nanoserve_gated_rows(void *act, const void *gate_up, Py_ssize_t rows, Py_ss
 
 /* The Python entry points, (self, args, kwargs), listed in module.c's method table. */
 PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_paged_attention_prefill(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_check_prefill_table(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs);
