@@ -1,7 +1,7 @@
 """Prefill attention over the paged KV cache (nanoserve.kernels.paged_attention_prefill): the C
 kernel and the torch reference against a float64 dense causal softmax, sliding windows, every
 (q dtype, cache dtype) pair, bitwise reproducibility across thread counts and prefill chunkings,
-and argument errors.
+argument errors, and the model's attention layer taking the kernel on the CPU.
 
 Inputs are drawn fresh each run; a failure prints the seed (NANOSERVE_KERNEL_SEED=n reproduces it).
 """
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import nanoserve.kernels as kernels
+from nanoserve.model import attention as attention_layer
 
 BACKENDS = ["c", "torch"]
 # float32 output: both backends sum in float32 (about 1e-6 from float64); bf16 output rounds to 8
@@ -223,3 +224,48 @@ def test_prefill_rejects_bad_arguments(gen, backend):
             kernels.paged_attention_prefill(**args, backend=backend)
     with pytest.raises(kernels.BackendUnavailableError, match="no Triton kernel"):
         kernels.paged_attention_prefill(*case.args(), backend="triton")
+
+
+def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return table[positions // block_size].long() * block_size + positions % block_size
+
+
+def test_model_prefill_takes_the_kernel_on_the_cpu(gen, monkeypatch):
+    """The attention layer's prefill chunks (20 tokens after 30 cached, and 9 fresh ones) go
+    through the C kernel and agree with its SDPA path, which it takes with backend='torch'."""
+    kv_heads, head_dim, block_size = 2, 64, 8
+    first = attention_layer.PrefillChunk(0, 20, 50, torch.tensor([3, 9, 1, 12, 5, 7, 0]).int())
+    second = attention_layer.PrefillChunk(20, 9, 9, torch.tensor([14, 2]).int())
+    caches = torch.zeros((2, 16, kv_heads, block_size, head_dim))
+    cached = torch.randn((2, 30, kv_heads, head_dim), generator=gen)
+    cached_slots = _slots(first.block_table, torch.arange(30), block_size)
+    kernels.store_kv(cached[0], cached[1], caches[0], caches[1], cached_slots)
+    new_slots = torch.cat([
+        _slots(first.block_table, torch.arange(30, 50), block_size),
+        _slots(second.block_table, torch.arange(9), block_size),
+    ])  # fmt: skip
+    q = torch.randn((29, 6, head_dim), generator=gen)
+    k = torch.randn((29, kv_heads, head_dim), generator=gen)
+    v = torch.randn((29, kv_heads, head_dim), generator=gen)
+    calls = []
+    spy = kernels.paged_attention_prefill
+
+    def counted(*args, **kwargs):
+        calls.append(args[4])  # context_len
+        return spy(*args, **kwargs)
+
+    monkeypatch.setattr(attention_layer, "paged_attention_prefill", counted)
+    outs = {}
+    for backend in ("auto", "torch"):
+        k_cache, v_cache = caches.clone().unbind(0)
+        meta = attention_layer.AttentionMetadata(
+            slot_mapping=new_slots,
+            num_decode=0,
+            decode_block_tables=torch.zeros((0, 1), dtype=torch.int32),
+            decode_context_lens=torch.zeros((0,), dtype=torch.int32),
+            prefills=(first, second),
+            backend=backend,
+        )
+        outs[backend] = attention_layer.attention(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert calls == [50, 9]  # backend "auto" took the kernel, "torch" did not
+    torch.testing.assert_close(outs["auto"], outs["torch"], atol=2e-5, rtol=0)
