@@ -226,6 +226,17 @@ def test_prefill_rejects_bad_arguments(gen, backend):
         kernels.paged_attention_prefill(*case.args(), backend="triton")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_take_the_torch_reference(gen):
+    """No C or Triton kernel on a GPU: auto runs the torch reference, c is an error."""
+    case = make_case(gen, 33, 100, (8, 2, 64, 16))
+    cuda = Case(*(t.cuda() if isinstance(t, torch.Tensor) else t for t in case.args()))
+    out = kernels.paged_attention_prefill(*cuda.args())
+    torch.testing.assert_close(out.cpu().double(), reference(case), atol=2e-5, rtol=0)
+    with pytest.raises(kernels.BackendUnavailableError, match="needs CPU tensors"):
+        kernels.paged_attention_prefill(*cuda.args(), backend="c")
+
+
 def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     return table[positions // block_size].long() * block_size + positions % block_size
 

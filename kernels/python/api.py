@@ -94,7 +94,7 @@ def paged_attention_prefill(
         out = torch.empty_like(q)
     if backend == "triton":
         raise BackendUnavailableError("paged_attention_prefill has no Triton kernel: use 'torch'")
-    impl = _backend(backend, q.device) if q.device.type == "cpu" else _backend("torch", q.device)
+    impl = _backend("torch" if backend == "auto" and q.device.type != "cpu" else backend, q.device)
     if impl is not c_backend and q.device.type == "cpu":
         c_backend.check_prefill_table(
             block_table, context_len, q.shape[0], k_cache.shape[0], k_cache.shape[2]
