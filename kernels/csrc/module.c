@@ -1,6 +1,6 @@
 /* The module nanoserve.kernels._C: its method table and constants. The entry points live beside
- * their kernels (paged_attention.c, linear.c, norm_rope.c, decode_step.c, quant.c,
- * quant_convert.c, copy_rows.c); each takes its arguments by keyword
+ * their kernels (paged_attention.c, prefill_attention.c, linear.c, norm_rope.c, decode_step.c,
+ * quant.c, quant_convert.c, copy_rows.c); each takes its arguments by keyword
  * (kernels/python/c_backend.py names every one), pointers as ints. */
 #include "quant.h"
 
@@ -22,6 +22,17 @@ static PyMethodDef methods[] = {
      "num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq, scale, "
      "dtype_code, cache_dtype_code, num_threads, window=0): pointers as ints, contiguous "
      "tensors."},
+    {"paged_attention_prefill", KW_FUNCTION(nanoserve_py_paged_attention_prefill),
+     METH_VARARGS | METH_KEYWORDS,
+     "paged_attention_prefill(out, q, k_cache, v_cache, block_table, num_tokens, num_q_heads, "
+     "num_kv_heads, head_dim, block_size, num_blocks, table_len, context_len, scale, q_dtype, "
+     "cache_dtype, num_threads, window=0): one sequence's chunk of num_tokens queries over its "
+     "paged KV cache; pointers as ints, contiguous tensors."},
+    {"check_prefill_table", KW_FUNCTION(nanoserve_py_check_prefill_table),
+     METH_VARARGS | METH_KEYWORDS,
+     "check_prefill_table(block_table, table_len, context_len, num_tokens, block_size, "
+     "num_blocks): prefill attention's check of context_len and its int32 block table; "
+     "ValueError names the argument."},
     {"store_kv", KW_FUNCTION(nanoserve_py_store_kv), METH_VARARGS | METH_KEYWORDS,
      "store_kv(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, "
      "block_size, num_blocks, dtype_code, cache_dtype_code, slots_are_int64): pointers as ints; "

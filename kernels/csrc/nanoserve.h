@@ -13,6 +13,9 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <string.h>
 
 /* The dtype codes Python passes (kernels/python/c_backend.py DTYPE_CODES). Float16 is a dtype
@@ -97,10 +100,53 @@ static inline uint16_t ns_f32_to_f16(float f) {
     return sign | (uint16_t)(a >> 13);
 }
 
+/* exp(x) for x <= 0 (or -inf), about 1 ulp, written so that loops over it vectorise (libm's expf
+ * only vectorises under -ffast-math). Shared by the attention kernels, so decode and prefill weigh
+ * their scores alike. Cody-Waite reduction x = n ln2 + r, Taylor series in r. */
+static inline float ns_exp_nonpos(float x) {
+    const float min_x = -87.0f; /* exp(-87) ~ 1.6e-38: the smallest result with a normal 2^n */
+    float xc = x < min_x ? min_x : x;
+    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest integer */
+    float r = xc - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    float two_n = ns_bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
+    return x < min_x ? 0.0f : p * two_n;
+}
+
 /* Element i of a float32 or bfloat16 array, as float32. */
 static inline float ns_load(const void *p, Py_ssize_t i, int dtype) {
     if (dtype == NS_BF16) return ns_bf16_to_f32(((const uint16_t *)p)[i]);
     return ((const float *)p)[i];
+}
+
+/* Widens n values of dtype to float32: a query row, and the KV cache rows the attention kernels
+ * widen before they compute (prefill's every row, decode's float16 blocks). float16 by F16C's
+ * conversion where the CPU has it: gcc does not vectorise ns_f16_to_f32 as well. */
+static inline void ns_load_row(float *restrict dst, const void *restrict src, Py_ssize_t n,
+                               int dtype) {
+    if (dtype == NS_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (Py_ssize_t i = 0; i < n; i++) dst[i] = ns_bf16_to_f32(s[i]);
+    } else if (dtype == NS_F16) {
+        const uint16_t *s = (const uint16_t *)src;
+        Py_ssize_t i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = ns_f16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
 }
 
 /* Stores f as element i of a float32 or bfloat16 array. */
@@ -138,6 +184,24 @@ typedef struct {
 /* 0, or -1 when a thread could not allocate its scratch. */
 int nanoserve_decode_attention(const decode_args *a, int num_threads);
 
+/* prefill_attention.c: one sequence's chunk of num_tokens queries, at positions context_len -
+ * num_tokens ... context_len - 1, attending causally to the paged KV cache (which already holds the
+ * chunk's own keys and values); q and out float32 or bfloat16, the cache float32, bfloat16 or
+ * float16. */
+typedef struct {
+    void *out;
+    const void *q, *k, *v;
+    const int32_t *block_table;
+    Py_ssize_t num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    Py_ssize_t table_len, context_len;
+    Py_ssize_t window; /* > 0: position p attends to (p - window, p] only; 0: to [0, p] */
+    float scale;
+    int q_dtype, cache_dtype;
+} prefill_args;
+
+/* 0, or -1 when a thread could not allocate its scratch. */
+int nanoserve_prefill_attention(const prefill_args *a, int num_threads);
+
 /* The value checks of the kernels' index tables, each in one place (here in C: the C paths run
  * them at C speed, and kernels/python/api.py runs the same ones for the torch and Triton paths on
  * CPU tensors). Each returns 0, or -1 with a ValueError set naming the first entry at fault (call
@@ -145,6 +209,9 @@ int nanoserve_decode_attention(const decode_args *a, int num_threads);
 /* paged_attention.c: context_lens in [1, max_blocks_per_seq * block_size], and the block_tables
  * entries they use in [0, num_blocks). */
 int nanoserve_check_tables(const decode_args *a);
+/* prefill_attention.c: context_len in [max(num_tokens, 1), table_len * block_size], and the
+ * block_table entries it uses in [0, num_blocks). */
+int nanoserve_check_prefill_table(const prefill_args *a);
 /* paged_attention.c: slots below num_slots (negative ones, padding rows, are skipped). */
 int nanoserve_check_slots(const void *slots, Py_ssize_t n, int slots_are_int64, int64_t num_slots);
 /* norm_rope.c: positions in [0, table_rows), the rows of the cos/sin tables. */
@@ -224,6 +291,8 @@ void nanoserve_gated_rows(void *act, const void *gate_up, Py_ssize_t rows, Py_ss
 
 /* The Python entry points, (self, args, kwargs), listed in module.c's method table. */
 PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_paged_attention_prefill(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_check_prefill_table(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_small_linear(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_rms_norm(PyObject *self, PyObject *args, PyObject *kwargs);

@@ -11,53 +11,11 @@
  */
 #include "nanoserve.h"
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* exp(x) for x <= 0 (or -inf), about 1 ulp, written so that loops over it vectorise (libm's expf
- * only vectorises under -ffast-math). Cody-Waite reduction x = n ln2 + r, Taylor series in r. */
-static inline float exp_nonpos(float x) {
-    const float min_x = -87.0f; /* exp(-87) ~ 1.6e-38: the smallest result with a normal 2^n */
-    float xc = x < min_x ? min_x : x;
-    float n = (xc * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest integer */
-    float r = xc - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    float two_n = ns_bits_to_f32((uint32_t)((int32_t)n + 127) << 23);
-    return x < min_x ? 0.0f : p * two_n;
-}
-
-/* Widen n values of dtype to float32. */
-static void load_row(float *restrict dst, const void *restrict src, Py_ssize_t n, int dtype) {
-    if (dtype == NS_BF16) {
-        const uint16_t *s = (const uint16_t *)src;
-#pragma omp simd
-        for (Py_ssize_t i = 0; i < n; i++) dst[i] = ns_bf16_to_f32(s[i]);
-    } else if (dtype == NS_F16) {
-        const uint16_t *s = (const uint16_t *)src;
-        Py_ssize_t i = 0;
-#if defined(__F16C__) /* the CPU's conversion: gcc does not vectorise ns_f16_to_f32 as well */
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
-#endif
-        for (; i < n; i++) dst[i] = ns_f16_to_f32(s[i]);
-    } else {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    }
-}
 
 static void store_row(void *restrict dst, const float *restrict src, Py_ssize_t n, int dtype) {
     if (dtype == NS_BF16) {
@@ -138,11 +96,11 @@ static inline float exp_sum(float *restrict x, float shift, Py_ssize_t n) {
     Py_ssize_t i = 0;
     for (; i + ATTN_LANES <= n; i += ATTN_LANES)
         for (int l = 0; l < ATTN_LANES; l++) {
-            x[i + l] = exp_nonpos(x[i + l] - shift);
+            x[i + l] = ns_exp_nonpos(x[i + l] - shift);
             part[l] += x[i + l];
         }
     for (; i < n; i++) {
-        x[i] = exp_nonpos(x[i] - shift);
+        x[i] = ns_exp_nonpos(x[i] - shift);
         part[0] += x[i];
     }
     for (int l = 0; l < 8; l++) part[l] += part[l + 8];
@@ -221,7 +179,7 @@ static inline void block_step(const scratch *s, const char *restrict k, const ch
         for (Py_ssize_t t = 0; t < lo; t++) sc[t] = -INFINITY;
         for (Py_ssize_t t = n; t < bs; t++) sc[t] = -INFINITY;
         const float m_new = fmaxf(max_of(sc, bs), s->m[g]);
-        const float alpha = exp_nonpos(s->m[g] - m_new);
+        const float alpha = ns_exp_nonpos(s->m[g] - m_new);
         s->l[g] = s->l[g] * alpha + exp_sum(sc, m_new, bs);
         s->m[g] = m_new;
         float *restrict acc = s->acc + g * d;
@@ -233,7 +191,7 @@ static inline void block_step(const scratch *s, const char *restrict k, const ch
 /* Rows [0, n) of a block as float32 in dst, rows [n, bs) zero. */
 static inline void load_block(float *restrict dst, const char *src, Py_ssize_t n, Py_ssize_t bs,
                               Py_ssize_t d, int dtype) {
-    load_row(dst, src, n * d, dtype);
+    ns_load_row(dst, src, n * d, dtype);
     memset(dst + n * d, 0, (size_t)((bs - n) * d) * sizeof(float));
 }
 
@@ -347,7 +305,7 @@ static void start_item(const decode_args *a, const scratch *s, Py_ssize_t seq, P
     const Py_ssize_t q_off = (seq * a->num_q_heads + kvh * group) * d;
     for (Py_ssize_t g = 0; g < group; g++) {
         float *qrow = s->q + g * d;
-        load_row(qrow, (const char *)a->q + (size_t)(q_off + g * d) * es, d, a->dtype);
+        ns_load_row(qrow, (const char *)a->q + (size_t)(q_off + g * d) * es, d, a->dtype);
         for (Py_ssize_t i = 0; i < d; i++) qrow[i] *= a->scale;
         memset(s->acc + g * d, 0, (size_t)d * sizeof(float));
         s->m[g] = -INFINITY;
@@ -463,7 +421,7 @@ static void merge_partitions(const decode_args *a, const scratch *s, const merge
         memset(acc, 0, (size_t)d * sizeof(float));
         for (Py_ssize_t i = 0; i < mi->count; i++) {
             const float *restrict row = rows + i * width;
-            const float w = exp_nonpos(row[group * d + g] - m);
+            const float w = ns_exp_nonpos(row[group * d + g] - m);
             l += row[group * d + group + g] * w;
             for (Py_ssize_t x = 0; x < d; x++) acc[x] += w * row[g * d + x];
         }

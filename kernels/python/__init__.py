@@ -2,10 +2,11 @@
 API (api.py) over the torch reference, C with OpenMP (the _C module setup.py builds from
 kernels/csrc) and Triton. Imports nothing of nanoserve.
 
-- Paged attention: paged_attention_decode reads the paged KV cache ([num_blocks, num_kv_heads,
-  block_size, head_dim]); store_kv writes new tokens into it. backend="auto" picks Triton for CUDA
-  tensors and the C kernel for CPU tensors; a C module that was not built is an error
-  (BackendUnavailableError), never a silent fallback.
+- Paged attention: paged_attention_decode (a token per sequence) and paged_attention_prefill (a
+  sequence's chunk of tokens, causal) read the paged KV cache ([num_blocks, num_kv_heads,
+  block_size, head_dim]); store_kv writes new tokens into it. backend="auto" picks the C kernel
+  for CPU tensors and, for CUDA tensors, Triton (decode) or the torch reference (prefill); a C
+  module that was not built is an error (BackendUnavailableError), never a silent fallback.
 - The CPU decode helpers: small_linear is F.linear for a few rows (the batch-1 decode GEMV) at
   memory speed; rms_norm, rope_ and gated_mul do RMSNorm, rotary embedding and the gated MLP's
   activation (SwiGLU or GELU-tanh) in one C call each.
@@ -22,6 +23,7 @@ from .api import (
     available_backends,
     gated_mul,
     paged_attention_decode,
+    paged_attention_prefill,
     rms_norm,
     rope_,
     small_linear,
@@ -53,6 +55,7 @@ __all__ = [
     "cpu_isa",
     "dequantize",
     "paged_attention_decode",
+    "paged_attention_prefill",
     "quantize",
     "quantized_linear",
     "rms_norm",

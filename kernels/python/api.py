@@ -68,6 +68,49 @@ def paged_attention_decode(
     return out
 
 
+PREFILL_Q_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    window: int = 0,
+) -> torch.Tensor:
+    """Causal attention of one sequence's chunk of new tokens over its paged KV cache; returns out.
+
+    q [num_tokens, num_q_heads, head_dim], float32 or bfloat16: the queries at positions
+    context_len - num_tokens ... context_len - 1, each attending to the positions up to its own.
+    Keys and values are read from k_cache, v_cache [num_blocks, num_kv_heads, block_size,
+    head_dim] (float32, bfloat16 or float16, whatever q's dtype: the softmax is in float32), which
+    must already hold the chunk's own rows (store_kv first); block_table [n] int32, of which the
+    first ceil(context_len / block_size) entries are read. window > 0: position p sees (p -
+    window, p] only. out: like q. backend: "auto" (c for CPU tensors; torch, the gather-and-mask
+    reference, for CUDA tensors, where the model's prefill uses torch SDPA instead), "c" or
+    "torch".
+    """
+    _check_prefill(q, k_cache, v_cache, block_table, context_len, scale, out, window)
+    if out is None:
+        out = torch.empty_like(q)
+    if backend == "triton":
+        raise BackendUnavailableError("paged_attention_prefill has no Triton kernel: use 'torch'")
+    impl = _backend("torch" if backend == "auto" and q.device.type != "cpu" else backend, q.device)
+    if impl is not c_backend and q.device.type == "cpu":
+        c_backend.check_prefill_table(
+            block_table, context_len, q.shape[0], k_cache.shape[0], k_cache.shape[2]
+        )
+    if q.shape[0]:
+        impl.paged_attention_prefill(
+            q, k_cache, v_cache, block_table, context_len, scale, out, window=window
+        )
+    return out
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -335,10 +378,7 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -
     for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
         if t.shape[0] != num_seqs:
             raise ValueError(f"{name} has {t.shape[0]} rows, q has {num_seqs} sequences")
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    _check_scale(scale)
     tensors = dict(k_cache=k_cache, v_cache=v_cache, block_tables=block_tables)
     _check_device(q.device, **tensors, context_lens=context_lens)
     if out is not None:
@@ -348,6 +388,59 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -
         if out.dtype != q.dtype:
             raise TypeError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
         _check_device(q.device, out=out)
+
+
+def _check_prefill(q, k_cache, v_cache, block_table, context_len, scale, out, window) -> None:
+    _, num_kv_heads, block_size, head_dim = _check_cache(k_cache, v_cache)
+    layout = "[num_tokens, num_q_heads, head_dim]"
+    _check_tensor("q", q, layout)
+    _check_dtype("q", q, PREFILL_Q_DTYPES)
+    _check_tensor("block_table", block_table, "[n]")
+    _check_dtype("block_table", block_table, (torch.int32,))
+    num_tokens, num_q_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim:
+        raise ValueError(f"q head_dim {q_head_dim} differs from the cache head_dim {head_dim}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q num_q_heads {num_q_heads} must be a positive multiple of num_kv_heads "
+            f"{num_kv_heads}"
+        )
+    _check_int("context_len", context_len)
+    if context_len < max(num_tokens, 1):
+        raise ValueError(
+            f"context_len = {context_len} must be at least 1 and at least q's {num_tokens} "
+            "tokens (the chunk's own tokens are part of its context)"
+        )
+    if context_len > block_table.shape[0] * block_size:
+        raise ValueError(
+            f"context_len = {context_len} needs {-(-context_len // block_size)} block_table "
+            f"entries of {block_size} tokens, block_table has {block_table.shape[0]}"
+        )
+    _check_int("window", window)
+    _check_scale(scale)
+    _check_device(q.device, k_cache=k_cache, v_cache=v_cache, block_table=block_table)
+    if out is not None:
+        _check_tensor("out", out, layout)
+        if out.shape != q.shape:
+            raise ValueError(f"out shape {tuple(out.shape)} differs from q {tuple(q.shape)}")
+        if out.dtype != q.dtype:
+            raise TypeError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
+        _check_device(q.device, out=out)
+
+
+def _check_int(name: str, value: object) -> None:
+    """A Python int >= 0 (not a bool, not a tensor)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_scale(scale: object) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
 
 
 def _check_store(key, value, k_cache, v_cache, slot_mapping) -> None:

@@ -81,6 +81,40 @@ def paged_attention_decode(
     )
 
 
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+) -> None:
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    # The C module checks context_len and the used block_table entries before reading the cache.
+    _C.paged_attention_prefill(
+        out=out.data_ptr(),
+        q=q.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        block_table=block_table.data_ptr(),
+        num_tokens=q.shape[0],
+        num_q_heads=q.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        table_len=block_table.shape[0],
+        context_len=context_len,
+        scale=float(scale),
+        q_dtype=DTYPE_CODES[q.dtype],
+        cache_dtype=DTYPE_CODES[k_cache.dtype],
+        num_threads=torch.get_num_threads(),
+        window=window,
+    )
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -230,6 +264,22 @@ def check_tables(
             context_lens=context_lens.data_ptr(),
             num_seqs=context_lens.shape[0],
             max_blocks_per_seq=block_tables.shape[1],
+            block_size=block_size,
+            num_blocks=num_blocks,
+        )
+
+
+def check_prefill_table(
+    block_table: torch.Tensor, context_len: int, num_tokens: int, num_blocks: int, block_size: int
+) -> None:
+    """Prefill attention's check of context_len and its block table (the C module's), as
+    check_tables."""
+    if _C is not None:
+        _C.check_prefill_table(
+            block_table=block_table.data_ptr(),
+            table_len=block_table.shape[0],
+            context_len=context_len,
+            num_tokens=num_tokens,
             block_size=block_size,
             num_blocks=num_blocks,
         )

@@ -51,6 +51,38 @@ def paged_attention_decode(
     out.copy_((probs @ v).view(num_seqs, num_q_heads, head_dim))
 
 
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+) -> None:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    blocks = block_table[: -(-context_len // block_size)].long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [kv_heads, context_len, head_dim]
+        rows = cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+        return rows[:, :context_len].float()
+
+    k, v = gather(k_cache), gather(v_cache)
+    group = num_q_heads // num_kv_heads
+    # [kv_heads, group, tokens, head_dim]: the query heads that share a KV head, side by side.
+    qf = q.float().view(num_tokens, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    scores = (qf @ k.unsqueeze(1).transpose(-1, -2)) * scale  # [kv_heads, group, tokens, ctx]
+    rows = torch.arange(num_tokens, device=q.device).unsqueeze(1) + context_len - num_tokens
+    cols = torch.arange(context_len, device=q.device).unsqueeze(0)
+    hidden = cols > rows
+    if window:
+        hidden |= cols <= rows - window
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    out.copy_((probs @ v.unsqueeze(1)).permute(2, 0, 1, 3).reshape(out.shape))
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,

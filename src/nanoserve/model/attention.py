@@ -2,7 +2,9 @@
 
 A forward step packs decode tokens (one per sequence) first, then prefill chunks. New keys and
 values are written to their cache slots; decode attention goes through the paged kernel API
-(`nanoserve.kernels`), prefill attention through torch SDPA over the sequence's gathered blocks.
+(`nanoserve.kernels`), and so does prefill attention on the CPU (the C kernel, tiled over the
+cache); elsewhere (CUDA, or the C kernels switched off) prefill takes torch SDPA over the
+sequence's gathered blocks.
 A sliding-window layer (window w > 0) lets the token at position i see positions (i - w, i], as
 transformers' sliding-window mask has it.
 Owns nothing: `AttentionMetadata` is built fresh for every step (by the engine's input packer).
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import paged_attention_decode, store_kv
+from nanoserve.kernels import c_backend, paged_attention_decode, paged_attention_prefill, store_kv
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,16 @@ def attention(
             backend=meta.backend,
             window=window,
         )
+    c_prefill = q.device.type == "cpu" and meta.backend in ("auto", "c") and c_backend.enabled()
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, window)
+        if c_prefill:  # reads the chunk's own rows back from the cache, as decode will
+            paged_attention_prefill(
+                q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len, scale,
+                out=out[rows], backend="c", window=window,
+            )  # fmt: skip
+        else:
+            out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, window)
     return out
 
 
