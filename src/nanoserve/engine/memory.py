@@ -21,6 +21,7 @@ from pathlib import Path
 
 from nanoserve import env
 from nanoserve.config import EngineConfig, SettingError
+from nanoserve.kernels import c_backend
 from nanoserve.model import ModelConfig
 
 GiB = 2**30
@@ -208,8 +209,8 @@ def check_fits(config: EngineConfig, pools: Pools, room: Headroom) -> None:
     draft = ", a draft model's included" if pools.draft else ""
     figures = (
         f"the KV cache would take {gib(pools.pool)} ({pools.blocks} blocks of {block_size} "
-        f"tokens, {pools.dtype}{draft}) and the working margin {gib(pools.margin)} (most of it "
-        f"a prefill step's attention at context {pools.context}), beside {gib(pools.weights)} "
+        f"tokens, {pools.dtype}{draft}) and the working margin {gib(pools.margin)} (the largest "
+        f"prefill step's, at context {pools.context}), beside {gib(pools.weights)} "
         f"of weights already loaded; {gib(room.bytes)} more may be taken ({room.source})"
     )
     if fit == 0 or (config.max_model_len is not None and fit * block_size < pools.context):
@@ -255,13 +256,16 @@ def _floor(gib: float) -> str:
 
 def working_margin(model: ModelConfig, config: EngineConfig, max_model_len: int) -> int:
     """The most one rank takes beyond its weights and KV pool while it serves: the largest step's
-    activations, and a fixed part. A prefill chunk's attention (torch SDPA over the chunk and its
-    context, model/attention.py) holds about ATTENTION_COPIES tensors of [heads, chunk, context]
-    at once, so a step of max_num_batched_tokens at a context of max_model_len is most of it;
-    then a layer's activations for the step's tokens, and FIXED_MARGIN for the rest."""
+    activations, and a fixed part. A layer's activations for a step of max_num_batched_tokens,
+    FIXED_MARGIN for the rest, and where prefill attention is torch SDPA over the chunk and its
+    gathered context (model/attention.py: CUDA, the torch backend, the C kernels off) about
+    ATTENTION_COPIES tensors of [heads, chunk, context] at once, most of it at a long context.
+    The C prefill kernel holds a tile's scratch per thread (in FIXED_MARGIN)."""
     itemsize = DTYPE_BYTES.get(config.dtype, 4)  # the engine's config: "auto" is resolved
     tokens = min(config.max_num_batched_tokens, max_model_len)
     heads = model.num_heads // config.tensor_parallel_size
     scores = ATTENTION_COPIES * heads * tokens * max_model_len * itemsize
+    if config.device == "cpu" and config.attention_backend in ("auto", "c") and c_backend.enabled():
+        scores = 0
     layer = tokens * (8 * model.hidden_size + 4 * model.intermediate_size) * itemsize
     return scores + layer + FIXED_MARGIN
