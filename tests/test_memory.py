@@ -4,18 +4,22 @@ cgroup) has left is refused at start with the largest value that fits, and /metr
 process's memory and the cache's configuration. What may be taken is read from /proc/meminfo
 and the cgroup files, tested here on fixture files for cgroup v1 and v2."""
 
+import ctypes
+import errno
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import trio
 
 from nanoserve import LLM
 from nanoserve.config import EngineConfig
 from nanoserve.default_model import default_model_path
-from nanoserve.engine import NotEnoughMemory
+from nanoserve.engine import NotEnoughMemory, kv_cache
+from nanoserve.engine.kv_cache import allocate_cache, take_cache
 from nanoserve.engine.memory import (
     GiB,
     Headroom,
@@ -131,6 +135,48 @@ def test_the_offline_llm_holds_its_pool_once_built(tiny_model_dir):
     grew, pool = map(int, done.stdout.split())
     assert pool > 0.99 * 0.25 * GiB
     assert grew >= 0.9 * 0.25 * GiB
+
+
+def _pool() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """64 MiB: 2 layers of keys and values, 1024 blocks of 4 heads x 16 tokens x 64, float32."""
+    return allocate_cache(2, 1024, 4, 16, 64, torch.float32, "cpu")
+
+
+class _Madvise:
+    """Stands in for libc's madvise, failing with `error`."""
+
+    def __init__(self, error: int) -> None:
+        self.error = error
+
+    def madvise(self, *args: object) -> int:
+        ctypes.set_errno(self.error)
+        return -1
+
+
+def test_a_cpu_pool_is_one_mapping_that_the_kernel_faults_in_as_zeros(monkeypatch):
+    caches = _pool()
+    assert len({t.untyped_storage().data_ptr() for pair in caches for t in pair}) == 1
+    zeroed = []
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda t: zeroed.append(t))
+    before = resident_bytes()
+    take_cache(caches)
+    assert resident_bytes() - before >= 0.95 * 64 * MiB and not zeroed
+    assert all(not t.any() for pair in caches for t in pair)
+
+
+def test_where_the_kernel_cannot_fault_a_pool_in_it_is_written_with_zeros(monkeypatch):
+    """An older kernel (EINVAL): torch writes the zeros. No memory (ENOMEM): an error naming
+    the pool, not a pool held in part."""
+    caches = _pool()
+    for pair in caches:
+        for t in pair:
+            t.fill_(1.0)
+    monkeypatch.setattr(kv_cache, "_LIBC", _Madvise(errno.EINVAL))
+    take_cache(caches)
+    assert all(not t.any() for pair in caches for t in pair)
+    monkeypatch.setattr(kv_cache, "_LIBC", _Madvise(errno.ENOMEM))
+    with pytest.raises(MemoryError, match=r"KV cache's 0\.06 GiB could not be taken"):
+        take_cache(_pool())
 
 
 def test_by_default_a_small_model_holds_only_what_its_sequences_can_fill(tiny_model_factory):
