@@ -4,6 +4,7 @@ Face twins, and one-line refusals of what nanoserve does not read."""
 
 import copy
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from nanoserve.default_model import NAME, default_model_path
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.model import gguf_file, hugepages
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.ggml_types import BLOCK_SIZES, GGMLType
 from nanoserve.model.gguf_file import GGUFCheckpoint
 from nanoserve.model.gguf_header import read_header
 from nanoserve.testing.gguf_writer import write_gguf
@@ -407,6 +409,26 @@ def test_the_longest_token_is_the_built_vocabularys(tmp_path, monkeypatch):
     tok = GGUFCheckpoint(SMOLLM).tokenizer()
     pieces = tok._tok.get_vocab(with_added_tokens=True)
     assert tok.max_token_chars == max(map(len, pieces)) == 81
+
+
+def test_the_ggml_types_are_ggufs():
+    for q in gguf.GGMLQuantizationType:
+        assert GGMLType(q).name == q.name and BLOCK_SIZES[GGMLType(q)] == gguf.GGML_QUANT_SIZES[q]
+
+
+def test_a_file_whose_matrices_stay_in_blocks_loads_without_the_gguf_package(tmp_path):
+    """gguf's import is a tenth of a load: the default model's needs none of it."""
+    script = (
+        "import sys\n"
+        "from nanoserve import LLM\n"
+        "LLM(sys.argv[1], kv_cache_memory_gb=0.01)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gguf'))\n"
+    )
+    env = {**os.environ, "NANOSERVE_CACHE": str(tmp_path / "cache")}
+    for _ in range(2):  # the file's first load (no index), then one from its cache
+        done = subprocess.run([sys.executable, "-c", script, str(SMOLLM)], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
 
 
 def test_the_default_model_missing_says_how_to_install(monkeypatch, capsys):

@@ -20,7 +20,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import tokenizers
 import torch
@@ -35,13 +34,14 @@ from nanoserve.kernels import QuantizedWeight, c_backend
 from nanoserve.kernels.quant import BLOCK_VALUES
 from nanoserve.model import gguf_cache, hugepages
 from nanoserve.model.config import ModelConfig, RopeConfig
+from nanoserve.model.ggml_types import GGMLType
 from nanoserve.model.gguf_header import TensorInfo, read_header
 from nanoserve.model.quantized import Weight
 from nanoserve.model.weights import LAYER, MODEL
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-Q = gguf.GGMLQuantizationType
+Q = GGMLType
 DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
@@ -376,8 +376,11 @@ def _dequantize(data: np.ndarray, info: dict[str, Any]) -> np.ndarray:
     if qtype in (Q.F32, Q.F16):
         values = raw.view(np.float32 if qtype == Q.F32 else np.float16).astype(np.float32)
     else:
-        byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
-        values = gguf.quants.dequantize(raw.reshape(byte_shape), qtype).astype(np.float32)
+        import gguf  # here: a file whose matrices the kernels all keep loads without it
+
+        gtype = gguf.GGMLQuantizationType(qtype)
+        byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, gtype)
+        values = gguf.quants.dequantize(raw.reshape(byte_shape), gtype).astype(np.float32)
     return values.reshape(shape)
 
 
