@@ -73,11 +73,11 @@ def allocate_cache(
 
 def take_cache(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Write every page of the cache, so that the memory is the process's from now on: the
-    kernel faults a CPU pool's mapping in, in one call (MADV_POPULATE_WRITE), its pages the
+    kernel faults a CPU pool's mapping in (MADV_POPULATE_WRITE, a chunk at a time), its pages the
     kernel's zeros; elsewhere, or on an older kernel, torch writes zeros on its intra-op threads.
-    Faulting in takes half the time of writing, and where memory runs out it is an error, not
-    the OOM killer. Nothing reads the zeros (a slot is read only after its token was stored),
-    but no uninitialized NaN is left either."""
+    Faulting in takes about half the time of writing, and where memory runs out it is an error,
+    not the OOM killer. Nothing reads the zeros (a slot is read only after its token was
+    stored), but no uninitialized NaN is left either."""
     if _populated(caches):
         return
     for keys, values in caches:
