@@ -4,8 +4,7 @@ cgroup) has left is refused at start with the largest value that fits, and /metr
 process's memory and the cache's configuration. What may be taken is read from /proc/meminfo
 and the cgroup files, tested here on fixture files for cgroup v1 and v2."""
 
-import ctypes
-import errno
+import mmap
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import trio
 from nanoserve import LLM
 from nanoserve.config import EngineConfig
 from nanoserve.default_model import default_model_path
-from nanoserve.engine import NotEnoughMemory, kv_cache
+from nanoserve.engine import NotEnoughMemory
 from nanoserve.engine.kv_cache import allocate_cache, take_cache
 from nanoserve.engine.memory import (
     GiB,
@@ -142,41 +141,32 @@ def _pool() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return allocate_cache(2, 1024, 4, 16, 64, torch.float32, "cpu")
 
 
-class _Madvise:
-    """Stands in for libc's madvise, failing with `error`."""
-
-    def __init__(self, error: int) -> None:
-        self.error = error
-
-    def madvise(self, *args: object) -> int:
-        ctypes.set_errno(self.error)
-        return -1
-
-
-def test_a_cpu_pool_is_one_mapping_that_the_kernel_faults_in_as_zeros(monkeypatch):
+def test_a_cpu_pool_is_one_mapping_taken_by_a_write_a_page(monkeypatch):
+    """The kernel hands the mapping's pages out as zeros: one zero written at the start of each
+    page holds the pool, every byte of it zeros."""
     caches = _pool()
     assert len({t.untyped_storage().data_ptr() for pair in caches for t in pair}) == 1
-    zeroed = []
-    monkeypatch.setattr(torch.Tensor, "zero_", lambda t: zeroed.append(t))
+    written, zero = [], torch.Tensor.zero_
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda t: written.append(t.numel()) or zero(t))
     before = resident_bytes()
     take_cache(caches)
-    assert resident_bytes() - before >= 0.95 * 64 * MiB and not zeroed
+    assert resident_bytes() - before >= 0.95 * 64 * MiB
+    assert written == [64 * MiB // mmap.PAGESIZE]
     assert all(not t.any() for pair in caches for t in pair)
 
 
-def test_where_the_kernel_cannot_fault_a_pool_in_it_is_written_with_zeros(monkeypatch):
-    """An older kernel (EINVAL): torch writes the zeros. No memory (ENOMEM): an error naming
-    the pool, not a pool held in part."""
-    caches = _pool()
-    for pair in caches:
-        for t in pair:
-            t.fill_(1.0)
-    monkeypatch.setattr(kv_cache, "_LIBC", _Madvise(errno.EINVAL))
-    take_cache(caches)
-    assert all(not t.any() for pair in caches for t in pair)
-    monkeypatch.setattr(kv_cache, "_LIBC", _Madvise(errno.ENOMEM))
-    with pytest.raises(MemoryError, match=r"KV cache's 0\.06 GiB could not be taken"):
-        take_cache(_pool())
+def test_a_pool_not_fresh_from_allocate_cache_is_written_whole_with_zeros():
+    """Tensors of torch's allocator, and a pool taken once and used since: every byte."""
+    for caches in (
+        [(torch.ones(1024, 4, 16, 64), torch.ones(1024, 4, 16, 64)) for _ in range(2)],
+        _pool(),
+    ):
+        take_cache(caches)
+        for pair in caches:
+            for t in pair:
+                t.fill_(1.0)
+        take_cache(caches)
+        assert all(not t.any() for pair in caches for t in pair)
 
 
 def test_by_default_a_small_model_holds_only_what_its_sequences_can_fill(tiny_model_factory):

@@ -5,28 +5,19 @@ belongs to whom is the block pool's (engine/block_pool.py), behind the KV cache 
 The tensors are allocated unwritten, then written whole (`take_cache`) once the engine has
 checked that they fit in memory (engine/memory.py): on a CPU an unwritten page is not yet
 memory, and a pool taken a page at a time under load runs out of memory hours after start. On a
-CPU the whole pool is one anonymous mapping, so that the kernel can fault it in at once.
+CPU the whole pool is one anonymous mapping, which one write a page takes.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import math
 import mmap
-import os
-import sys
+import weakref
 from collections.abc import Sequence
 
 import torch
 
-# madvise's advice to fault a range in writable, as a write to each page would (Linux 5.14+);
-# called through ctypes, which lets go of the GIL meanwhile (mmap.madvise holds it).
-MADV_POPULATE_WRITE = 23
-# A call holds the process's memory map locked, and another thread's allocations wait: a chunk
-# at a time, they wait at most a chunk's worth.
-POPULATE_CHUNK = 64 * 2**20
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_FRESH: set[int] = set()  # storages of allocate_cache's mappings not yet taken: all zeros
 
 
 def cdiv(a: int, b: int) -> int:
@@ -72,13 +63,15 @@ def allocate_cache(
 
 
 def take_cache(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Write every page of the cache, so that the memory is the process's from now on: the
-    kernel faults a CPU pool's mapping in (MADV_POPULATE_WRITE, a chunk at a time), its pages the
-    kernel's zeros; elsewhere, or on an older kernel, torch writes zeros on its intra-op threads.
-    Faulting in takes about half the time of writing, and where memory runs out it is an error,
-    not the OOM killer. Nothing reads the zeros (a slot is read only after its token was
-    stored), but no uninitialized NaN is left either."""
-    if _populated(caches):
+    """Write every page of the cache, so that the memory is the process's from now on. A CPU
+    pool fresh from allocate_cache is one anonymous mapping whose pages the kernel hands out as
+    zeros: one write a page holds it, a zero at the start of each (torch's strided fill, on its
+    intra-op threads), which is faster than writing every byte, the pages' zeroing being the
+    kernel's. Any other cache is written whole with zeros. Nothing reads the zeros (a slot is
+    read only after its token was stored), but no uninitialized NaN is left either."""
+    pages = _fresh_pages(caches)
+    if pages is not None:
+        pages.zero_()
         return
     for keys, values in caches:
         keys.zero_()
@@ -90,25 +83,22 @@ def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     holds while any view of it lives)."""
     nbytes = math.prod(shape) * dtype.itemsize
     pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+    raw = torch.frombuffer(pages, dtype=torch.uint8)
+    _FRESH.add(raw.data_ptr())
+    weakref.finalize(pages, _FRESH.discard, raw.data_ptr())
+    return raw[:nbytes].view(dtype).view(shape)
 
 
-def _populated(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether the kernel faulted in the one mapping that all of `caches` are views of; False
-    where they are not (another device, or not allocate_cache's) or the kernel cannot."""
+def _fresh_pages(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """The first byte of each page of the fresh mapping that all of `caches` are views of (no
+    longer fresh once this returns), or None where they are not all views of one."""
     tensors = [t for pair in caches for t in pair]
-    if _LIBC is None or not tensors or tensors[0].device.type != "cpu":
-        return False
+    if not tensors or tensors[0].device.type != "cpu":
+        return None
     storage = tensors[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
-        return False
-    for start in range(0, storage.nbytes(), POPULATE_CHUNK):
-        size = min(POPULATE_CHUNK, storage.nbytes() - start)
-        at = ctypes.c_void_p(storage.data_ptr() + start)
-        if _LIBC.madvise(at, ctypes.c_size_t(size), MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            if err != errno.ENOMEM:  # EINVAL: a kernel older than 5.14
-                return False
-            raise MemoryError(f"the KV cache's {storage.nbytes() / 2**30:.2f} GiB could not be "
-                              f"taken: {os.strerror(err)}")  # fmt: skip
-    return True
+    ptr = storage.data_ptr()
+    if ptr not in _FRESH or any(t.untyped_storage().data_ptr() != ptr for t in tensors):
+        return None
+    _FRESH.discard(ptr)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return raw[:: mmap.PAGESIZE]
