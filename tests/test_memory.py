@@ -4,18 +4,21 @@ cgroup) has left is refused at start with the largest value that fits, and /metr
 process's memory and the cache's configuration. What may be taken is read from /proc/meminfo
 and the cgroup files, tested here on fixture files for cgroup v1 and v2."""
 
+import mmap
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import trio
 
 from nanoserve import LLM
 from nanoserve.config import EngineConfig
 from nanoserve.default_model import default_model_path
 from nanoserve.engine import NotEnoughMemory
+from nanoserve.engine.kv_cache import allocate_cache, take_cache
 from nanoserve.engine.memory import (
     GiB,
     Headroom,
@@ -129,6 +132,39 @@ def test_the_offline_llm_holds_its_pool_once_built(tiny_model_dir):
     grew, pool = map(int, done.stdout.split())
     assert pool > 0.99 * 0.25 * GiB
     assert grew >= 0.9 * 0.25 * GiB
+
+
+def _pool() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """64 MiB: 2 layers of keys and values, 1024 blocks of 4 heads x 16 tokens x 64, float32."""
+    return allocate_cache(2, 1024, 4, 16, 64, torch.float32, "cpu")
+
+
+def test_a_cpu_pool_is_one_mapping_taken_by_a_write_a_page(monkeypatch):
+    """The kernel hands the mapping's pages out as zeros: one zero written at the start of each
+    page holds the pool, every byte of it zeros."""
+    caches = _pool()
+    assert len({t.untyped_storage().data_ptr() for pair in caches for t in pair}) == 1
+    written, zero = [], torch.Tensor.zero_
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda t: written.append(t.numel()) or zero(t))
+    before = resident_bytes()
+    take_cache(caches)
+    assert resident_bytes() - before >= 0.95 * 64 * MiB
+    assert written == [64 * MiB // mmap.PAGESIZE]
+    assert all(not t.any() for pair in caches for t in pair)
+
+
+def test_a_pool_not_fresh_from_allocate_cache_is_written_whole_with_zeros():
+    """Tensors of torch's allocator, and a pool taken once and used since: every byte."""
+    for caches in (
+        [(torch.ones(1024, 4, 16, 64), torch.ones(1024, 4, 16, 64)) for _ in range(2)],
+        _pool(),
+    ):
+        take_cache(caches)
+        for pair in caches:
+            for t in pair:
+                t.fill_(1.0)
+        take_cache(caches)
+        assert all(not t.any() for pair in caches for t in pair)
 
 
 def test_by_default_a_small_model_holds_only_what_its_sequences_can_fill(tiny_model_factory):

@@ -177,7 +177,9 @@ def test_ids_equal_transformers_reading_the_converted_file(converted_mistral, sp
     import transformers
 
     _, path = converted_mistral
-    ours = GGUFCheckpoint(path).tokenizer()
+    checkpoint = GGUFCheckpoint(path)
+    ours = checkpoint.tokenizer()
+    assert checkpoint.index["tokenizer"]["vocab_size"] == ours.vocab_size  # the config's fallback
     theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in _texts(500, seed=3):
         if text[0].isspace():

@@ -86,19 +86,14 @@ class UnsupportedTokenizer(ValueError):
 def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, Any], str | None]:
     """The tokenizer, its tokenizer_config.json fields and its chat template, from the file's
     metadata (key -> value). Raises UnsupportedTokenizer, naming what is unsupported."""
-    kind = meta.get("tokenizer.ggml.model")
+    check_supported(meta)
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    if kind == "gpt2":
-        tok = _bpe(tokens, meta, _pre_tokenizer(meta))
-    elif kind == "llama":
-        tok = _sentencepiece(tokens, meta)
+    if meta.get("tokenizer.ggml.model") == "gpt2":
+        tok = _bpe(tokens, meta, meta.get("tokenizer.ggml.pre", "default"))
     else:
-        raise UnsupportedTokenizer(
-            f"tokenizer kind {kind!r} is not supported: nanoserve builds byte-level BPE "
-            "('gpt2') and SentencePiece BPE ('llama') GGUF tokenizers"
-        )
+        tok = _sentencepiece(tokens, meta)
     _add_typed_tokens(tok, tokens, meta)
-    config = _special_tokens(tokens, meta)
+    config = tokenizer_config(meta)
     if config.get("add_bos_token") and "bos_token" in config:
         bos = config["bos_token"]
         tok.post_processor = processors.TemplateProcessing(
@@ -107,14 +102,25 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, A
     return tok, config, meta.get("tokenizer.chat_template")
 
 
-def _pre_tokenizer(meta: Mapping[str, Any]) -> str:
+def check_supported(meta: Mapping[str, Any]) -> None:
+    """Raise UnsupportedTokenizer where tokenizer_from_gguf would, without building anything:
+    a loader refuses the file before it loads weights for a tokenizer it cannot have."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise UnsupportedTokenizer(
+            f"tokenizer kind {kind!r} is not supported: nanoserve builds byte-level BPE "
+            "('gpt2') and SentencePiece BPE ('llama') GGUF tokenizers"
+        )
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+    if kind == "gpt2" and pre not in PRE_TOKENIZERS:
         raise UnsupportedTokenizer(
             f"pre-tokenizer {pre!r} is not supported: nanoserve knows "
             f"{', '.join(sorted(PRE_TOKENIZERS))}"
         )
-    return str(pre)
+    if kind == "llama" and "tokenizer.ggml.scores" not in meta:
+        raise UnsupportedTokenizer(
+            "a SentencePiece ('llama') vocabulary needs tokenizer.ggml.scores"
+        )
 
 
 def _bpe(tokens: list[str], meta: Mapping[str, Any], pre: str) -> Tokenizer:
@@ -132,10 +138,6 @@ def _sentencepiece(tokens: list[str], meta: Mapping[str, Any]) -> Tokenizer:
     """SentencePiece BPE as llama.cpp runs it: spaces become U+2581 (one in front of the text
     unless add_space_prefix is false), the adjacent pair whose join is the best-scored token
     merges first, and a character no token spells falls back to its UTF-8 bytes (<0xNN>)."""
-    if "tokenizer.ggml.scores" not in meta:
-        raise UnsupportedTokenizer(
-            "a SentencePiece ('llama') vocabulary needs tokenizer.ggml.scores"
-        )
     scores = list(meta["tokenizer.ggml.scores"])
     types = list(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -184,8 +186,9 @@ def _add_typed_tokens(tok: Tokenizer, tokens: list[str], meta: Mapping[str, Any]
     tok.add_tokens([AddedToken(t, normalized=False) for t, k in typed if k == USER_DEFINED])
 
 
-def _special_tokens(tokens: list[str], meta: Mapping[str, Any]) -> dict[str, Any]:
+def tokenizer_config(meta: Mapping[str, Any]) -> dict[str, Any]:
     """tokenizer_config.json's fields as far as the metadata gives them."""
+    tokens = meta["tokenizer.ggml.tokens"]
     # llama.cpp puts BOS before a SentencePiece vocabulary's text unless the file says not to.
     default_bos = meta.get("tokenizer.ggml.model") == "llama"
     add_bos = meta.get("tokenizer.ggml.add_bos_token", default_bos)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +71,6 @@ class Engine:
         checkpoint = open_checkpoint(model)
         self.config = config = resolve_dtype(config or EngineConfig(), checkpoint)
         self.model_config = checkpoint.config
-        # The weights first: a GGUF builds its tokenizer while their blocks copy.
         self.executor = start_executor(model, checkpoint, config)
         try:
             self._start(checkpoint)
@@ -79,35 +79,35 @@ class Engine:
             raise
 
     def _start(self, checkpoint: Checkpoint) -> None:
-        """What the engine builds once its executor runs: the tokenizer, the grammars, the KV
-        cache's manager, the proposer of speculative drafts and the scheduler."""
-        config, mc = self.config, self.model_config
-        self.tokenizer = checkpoint.tokenizer()
-        if config.chat_template is not None:  # instead of the model's own
-            self.tokenizer.use_chat_template(chat_template_source(config.chat_template))
-        self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
-        # Structured outputs: grammars compiled against this vocabulary, cached by constraint.
-        self.grammars = GrammarCompiler(
-            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.grammar_compile_seconds
-        )
+        """What the engine builds once its executor runs: the KV cache's manager, the proposer of
+        speculative drafts, the tokenizer, the grammars and the scheduler. The KV pool is written
+        meanwhile (_take_pools): a load's longest part, and one that holds no GIL."""
+        config = self.config
         self.runner = self.executor.runner  # rank 0's: prepares each step, knows the pool
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
-        self._admission = Admission(config, self.tokenizer, self.grammars, mc.vocab_size,
-                                    self.max_model_len, self.num_blocks)  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
         )
         spec = config.speculative_config
-        self.proposer: Proposer | None = None
-        if spec is not None and spec.model is not None:
-            self.proposer = DraftModelProposer(
-                spec.model, checkpoint, self.tokenizer, config, self.num_blocks,
-                self.max_model_len,
-            )  # fmt: skip
-        elif spec is not None:
-            self.proposer = NgramProposer(spec, self.max_model_len)
-        self._take_pools()
+        drafted = spec is not None and spec.model is not None
+        if drafted:
+            self._use_tokenizer(checkpoint)  # the draft's is checked against it
+        self.proposer = self._proposer(checkpoint)
+        draft = self.proposer.runner if isinstance(self.proposer, DraftModelProposer) else None
+        self._check_pools(draft)
+        # The one thread beside the engine's: it writes the KV pools (and alone calls the
+        # executor) while this one builds what needs the tokenizer; both end in this block.
+        # torch's inference mode is per thread: the pools were made in the caller's.
+        inference = torch.is_inference_mode_enabled()
+        with ThreadPoolExecutor(1, thread_name_prefix="nanoserve-take-kv") as pool:
+            taken = pool.submit(self._take_pools, draft, inference)
+            if not drafted:
+                self._use_tokenizer(checkpoint)
+            self._admission = Admission(config, self.tokenizer, self.grammars,
+                                        self.model_config.vocab_size, self.max_model_len,
+                                        self.num_blocks)  # fmt: skip
+            taken.result()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             config.max_num_seqs,
@@ -123,23 +123,46 @@ class Engine:
         self._computed = 0
         self._mask_s = 0.0
 
-    def _take_pools(self) -> None:
-        """Write every KV pool this engine allocated (each rank's, a draft model's), so that its
-        memory is held from the start; on a CPU, first check that the pools and a working
-        margin fit in what this host has left (engine/memory.py). On CUDA the pool was sized
-        from the device's free memory, and its allocation is already memory."""
-        draft = self.proposer.runner if isinstance(self.proposer, DraftModelProposer) else None
-        if self.runner.device.type == "cpu":
-            pools, room = self._pools(draft), headroom()
-            check_fits(self.config, pools, room)
-            log.info(
-                "memory: KV cache %s, weights %s, working margin %s; %s may be taken (%s)",
-                *map(gib, (pools.pool, pools.weights, pools.margin, room.bytes)), room.source,
-            )  # fmt: skip
+    def _proposer(self, checkpoint: Checkpoint) -> Proposer | None:
+        """The proposer of speculative drafts, if any: a draft model, or n-grams of the text."""
+        spec = self.config.speculative_config
+        if spec is not None and spec.model is not None:
+            return DraftModelProposer(spec.model, checkpoint, self.tokenizer, self.config,
+                                      self.num_blocks, self.max_model_len)  # fmt: skip
+        return NgramProposer(spec, self.max_model_len) if spec is not None else None
+
+    def _use_tokenizer(self, checkpoint: Checkpoint) -> None:
+        """The checkpoint's tokenizer (or the configured chat template over it), its end ids
+        and the grammars compiled against its vocabulary, cached by constraint."""
+        config, mc = self.config, self.model_config
+        self.tokenizer = checkpoint.tokenizer()
+        if config.chat_template is not None:  # instead of the model's own
+            self.tokenizer.use_chat_template(chat_template_source(config.chat_template))
+        self.eos_token_ids = set(mc.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.grammars = GrammarCompiler(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, config.grammar_compile_seconds
+        )
+
+    def _check_pools(self, draft: ModelRunner | None) -> None:
+        """On a CPU, check that the KV pools about to be written (each rank's, a draft model's)
+        and a working margin fit in what this host has left (engine/memory.py). On CUDA the pool
+        was sized from the device's free memory, and its allocation is already memory."""
+        if self.runner.device.type != "cpu":
+            return
+        pools, room = self._pools(draft), headroom()
+        check_fits(self.config, pools, room)
+        log.info(
+            "memory: KV cache %s, weights %s, working margin %s; %s may be taken (%s)",
+            *map(gib, (pools.pool, pools.weights, pools.margin, room.bytes)), room.source,
+        )  # fmt: skip
+
+    def _take_pools(self, draft: ModelRunner | None, inference: bool) -> None:
+        """Write every KV pool this engine allocated, so that its memory is held from the start."""
         start = time.monotonic()
-        self.executor.call("take_kv_cache")
-        if draft is not None:
-            draft.take_kv_cache()
+        with torch.inference_mode(inference):
+            self.executor.call("take_kv_cache")
+            if draft is not None:
+                draft.take_kv_cache()
         log.info("KV cache written in %.1f s", time.monotonic() - start)
 
     def _pools(self, draft: ModelRunner | None) -> Pools:

@@ -6,49 +6,48 @@ there where its tensor is, as llama.cpp loads them; Gemma 3 as llama.cpp reads i
 other architecture, tensor type or tokenizer is refused by name.
 
 The header is read by model/gguf_header.py. What it yields that takes time to rebuild (scalar
-metadata, the tensor table, the built tokenizer) is kept as a small JSON index under the cache
-directory, keyed by the file's path, size and modification time, so that only a file's first
-load parses its vocabulary. Matrices in a format the CPU kernels take are copied once from a
-memory map of the file into huge pages; the rest are de-quantized by the `gguf` package
-(llama.cpp's own de-quantizers) into the engine's dtype.
+metadata, the tensor table, the built tokenizer) is kept under the cache directory
+(model/gguf_cache.py), so that only a file's first load parses its vocabulary; the tokenizer is
+built when it is asked for (the engine asks while the KV cache is written). Matrices in a format
+the CPU kernels take are copied once from a memory map of the file into huge pages; the rest are
+de-quantized by the `gguf` package (llama.cpp's own de-quantizers) into the engine's dtype.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import tokenizers
 import torch
 
-from nanoserve.env import cache_dir
-from nanoserve.gguf_tokenizer import UnsupportedTokenizer, tokenizer_from_gguf
+from nanoserve.gguf_tokenizer import (
+    UnsupportedTokenizer,
+    check_supported,
+    tokenizer_config,
+    tokenizer_from_gguf,
+)
 from nanoserve.kernels import QuantizedWeight, c_backend
 from nanoserve.kernels.quant import BLOCK_VALUES
-from nanoserve.model import hugepages
+from nanoserve.model import gguf_cache, hugepages
 from nanoserve.model.config import ModelConfig, RopeConfig
+from nanoserve.model.ggml_types import GGMLType
 from nanoserve.model.gguf_header import TensorInfo, read_header
 from nanoserve.model.quantized import Weight
 from nanoserve.model.weights import LAYER, MODEL
 from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-Q = gguf.GGMLQuantizationType
+Q = GGMLType
 DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
 # Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
 # floats (F16, BF16) included.
 KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
-INDEX_VERSION = 4  # 2: the header read by model/gguf_header.py; 3: max_token_chars; 4: *_pattern
 
 # GGUF tensor name -> Hugging Face name, from model/weights.py: a layer's after "blk.N." and
 # "model.layers.N.", the model's own whole.
@@ -69,8 +68,8 @@ class GGUFCheckpoint:
         self.path = Path(path).resolve()
         if not self.path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
-        self.index, self._built = _cached_index(self.path)
-        self._tokenizer_asked = False
+        self._cache_name = gguf_cache.entry(self.path)
+        self.index, self._vocabulary = _cached_index(self.path, self._cache_name)
         self.meta: dict[str, Any] = self.index["meta"]
         self.tensors: dict[str, dict[str, Any]] = self.index["tensors"]
         self.config = self._model_config()
@@ -81,18 +80,21 @@ class GGUFCheckpoint:
         return sorted(q.name.lower() for q in kept)
 
     def tokenizer(self) -> Tokenizer:
-        """The file's tokenizer: the one built with the index or while the blocks were copied
-        (read_tensors) the first time, a new one from the index after."""
-        self._tokenizer_asked = True
-        if self._built is not None:
-            built, self._built = self._built, None
-            return built
-        return self._indexed_tokenizer()
-
-    def _indexed_tokenizer(self) -> Tokenizer:
+        """The file's tokenizer, a new one each call: read from the cache, else built from the
+        file's vocabulary (and cached)."""
         t = self.index["tokenizer"]
-        tok = tokenizers.Tokenizer.from_str(t["json"])
+        tok = gguf_cache.cached_tokenizer(self._cache_name, self._build_tokenizer)
         return Tokenizer(tok, t["config"], t["template"], t["max_token_chars"])
+
+    def _build_tokenizer(self) -> tokenizers.Tokenizer:
+        """From the vocabulary parsed with the index, or parsed again where the index was read
+        from the cache."""
+        vocabulary = self._vocabulary or _tokenizer_keys(_open(self.path)[0])
+        self._vocabulary = None
+        try:
+            return tokenizer_from_gguf(vocabulary)[0]
+        except UnsupportedTokenizer as e:
+            raise GGUFError(f"{self.path.name}: {e}") from None
 
     def read_tensors(
         self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
@@ -109,7 +111,7 @@ class GGUFCheckpoint:
         dequantized: dict[str, int] = {}
         # The blocks go straight from the file into huge pages, a fused matrix's parts one after
         # the other (model/quantized.py's cat_rows then takes them as they lie): each byte is
-        # copied once, by one call for them all (_copy).
+        # copied once, by one call for them all.
         keeps = [i["bytes"] for i in self.tensors.values() if keep_blocks and _keeps(i)]
         size = sum(-(-n // hugepages.ALIGN) * hugepages.ALIGN for n in keeps)
         arena = hugepages.Arena(size) if keeps else None
@@ -136,24 +138,13 @@ class GGUFCheckpoint:
             weights[_hf_name(name, gemma)] = torch.from_numpy(values).to(device=device, dtype=own)
             if len(info["shape"]) == 2:
                 dequantized[qtype] = dequantized.get(qtype, 0) + 1
-        self._copy(copies)
+        if copies:
+            c_backend.copy_rows(copies)
         log.info(
             "%s: matrices kept in their formats: %s; de-quantized to %s: %s",
             self.path.name, _counts(kept), dtype, _counts(dequantized),
         )  # fmt: skip
         return weights
-
-    def _copy(self, copies: list[tuple[int, int, int, int, int]]) -> None:
-        """The blocks' copies, in one call that holds no GIL (c_backend.copy_rows) on a named
-        thread, while this one builds the tokenizer unless it was built or asked for already: its
-        from_str holds the GIL throughout, and is most of the rest of a load."""
-        if not copies:
-            return
-        with ThreadPoolExecutor(1, thread_name_prefix="nanoserve-load-blocks") as pool:
-            copied = pool.submit(c_backend.copy_rows, copies)
-            if self._built is None and not self._tokenizer_asked:
-                self._built = self._indexed_tokenizer()
-            copied.result()
 
     def _get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.meta['general.architecture']}.{key}", default)
@@ -257,24 +248,20 @@ class GGUFCheckpoint:
         return RopeConfig(theta=theta, freq_factors=tuple(factors) if scaled else None)
 
 
-def _cached_index(path: Path) -> tuple[dict[str, Any], Tokenizer | None]:
-    """The file's index, and the tokenizer where this call built it (None: read from cache)."""
-    stat = path.stat()
-    key = f"{INDEX_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
-    file = cache_dir() / "gguf" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-    if file.is_file():
-        return json.loads(file.read_text("utf-8")), None
-    index, tokenizer = _build_index(path)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(index), "utf-8")
-    os.replace(tmp, file)  # whole or absent: concurrent starts never read half an index
-    return index, tokenizer
+def _cached_index(path: Path, cached: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The file's index, and its tokenizer's metadata where this call parsed the file (None: the
+    index came from the cache)."""
+    index = gguf_cache.read_index(cached)
+    if index is not None:
+        return index, None
+    index, meta = _build_index(path)
+    gguf_cache.write_index(cached, index)
+    return index, _tokenizer_keys(meta)
 
 
-def _build_index(path: Path) -> tuple[dict[str, Any], Tokenizer]:
-    """Parse the file once: its metadata but the vocabulary arrays, the tensor table, and the
-    tokenizer; refuse what nanoserve cannot serve."""
+def _build_index(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Parse the file once: (its index, its metadata); refuse what nanoserve cannot serve, the
+    tokenizer included (built later, from the metadata)."""
     meta, tensor_infos = _open(path)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -284,25 +271,28 @@ def _build_index(path: Path) -> tuple[dict[str, Any], Tokenizer]:
         )
     tensors = {t.name: _tensor_info(path, t) for t in tensor_infos}
     try:
-        tok, config, template = tokenizer_from_gguf(meta)
+        check_supported(meta)
     except UnsupportedTokenizer as e:
         raise GGUFError(f"{path.name}: {e}") from None
-    # The vocabulary's pieces are the file's tokens (the added ones among them): the longest
-    # bounds a token's characters without listing the built vocabulary.
-    longest = max(map(len, meta["tokenizer.ggml.tokens"]), default=1)
-    built = Tokenizer(tok, config, template, longest)
+    tokens = meta["tokenizer.ggml.tokens"]
     index = {
         "meta": {k: v for k, v in meta.items() if _indexed(k, v)},
         "tensors": tensors,
         "tokenizer": {
-            "json": tok.to_str(),
-            "config": config,
-            "template": template,
-            "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-            "max_token_chars": built.max_token_chars,
+            "config": tokenizer_config(meta),
+            "template": meta.get("tokenizer.chat_template"),
+            # The built vocabulary is the file's tokens, each once (the added ones among them).
+            "vocab_size": len(set(tokens)),
+            # The longest piece bounds a token's characters without listing the built vocabulary.
+            "max_token_chars": max(map(len, tokens), default=1),
         },
     }
-    return index, built
+    return index, meta
+
+
+def _tokenizer_keys(meta: dict[str, Any]) -> dict[str, Any]:
+    """What of the metadata the tokenizer is built from (the vocabulary's arrays among it)."""
+    return {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
 
 
 def _indexed(key: str, value: Any) -> bool:
@@ -386,8 +376,11 @@ def _dequantize(data: np.ndarray, info: dict[str, Any]) -> np.ndarray:
     if qtype in (Q.F32, Q.F16):
         values = raw.view(np.float32 if qtype == Q.F32 else np.float16).astype(np.float32)
     else:
-        byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
-        values = gguf.quants.dequantize(raw.reshape(byte_shape), qtype).astype(np.float32)
+        import gguf  # here: a file whose matrices the kernels all keep loads without it
+
+        gtype = gguf.GGMLQuantizationType(qtype)
+        byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, gtype)
+        values = gguf.quants.dequantize(raw.reshape(byte_shape), gtype).astype(np.float32)
     return values.reshape(shape)
 
 

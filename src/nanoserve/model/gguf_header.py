@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
+
+from nanoserve.model.ggml_types import BLOCK_SIZES, GGMLType
 
 # Value type -> struct format; 8 is a string, 9 an array (an item type, a count, the items).
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -33,7 +34,7 @@ _U64 = struct.Struct("<Q")
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    tensor_type: gguf.GGMLQuantizationType
+    tensor_type: GGMLType
     shape: tuple[int, ...]  # innermost first, as the file lists them
     data_offset: int  # from the start of the file
     n_bytes: int
@@ -112,12 +113,12 @@ def _parse(c: _Cursor) -> tuple[dict[str, Any], list[TensorInfo]]:
     for _ in range(n_tensors):
         name = c.string()
         dims = tuple(c.scalar("<Q") for _ in range(c.scalar("<I")))
-        infos.append((name, dims, gguf.GGMLQuantizationType(c.scalar("<I")), c.scalar("<Q")))
+        infos.append((name, dims, GGMLType(c.scalar("<I")), c.scalar("<Q")))
     alignment = int(meta.get("general.alignment", 32))
     start = -(-c.pos // alignment) * alignment
     tensors = []
     for name, dims, qtype, offset in infos:
-        block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        block, type_bytes = BLOCK_SIZES[qtype]
         n_bytes = math.prod(dims) // block * type_bytes
         tensors.append(TensorInfo(name, qtype, dims, start + offset, n_bytes))
     return meta, tensors
