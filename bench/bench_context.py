@@ -153,6 +153,8 @@ def run_llamacpp(path: Path, cases: list[str], vocab: int, threads: int) -> dict
 
 def files(names: list[str], tmp: Path) -> dict[str, Path]:
     out = {}
+    for folder in ("sq", "lq"):
+        (tmp / folder).mkdir()
     if "smollm2" in names:
         out["smollm2 Q4_K_M"] = make_files(smollm2_checkpoint(tmp / "s"), tmp / "sq", ["Q4_K_M"])
     if "llama1b" in names:
