@@ -368,26 +368,14 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out) -
     _check_dtype("block_tables", block_tables, (torch.int32,))
     _check_dtype("context_lens", context_lens, (torch.int32,))
     num_seqs, num_q_heads, q_head_dim = q.shape
-    if q_head_dim != head_dim:
-        raise ValueError(f"q head_dim {q_head_dim} differs from the cache head_dim {head_dim}")
-    if num_q_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q num_q_heads {num_q_heads} must be a positive multiple of num_kv_heads "
-            f"{num_kv_heads}"
-        )
+    _check_heads(num_q_heads, q_head_dim, num_kv_heads, head_dim)
     for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
         if t.shape[0] != num_seqs:
             raise ValueError(f"{name} has {t.shape[0]} rows, q has {num_seqs} sequences")
     _check_scale(scale)
     tensors = dict(k_cache=k_cache, v_cache=v_cache, block_tables=block_tables)
     _check_device(q.device, **tensors, context_lens=context_lens)
-    if out is not None:
-        _check_tensor("out", out, _Q_LAYOUT)
-        if out.shape != q.shape:
-            raise ValueError(f"out shape {tuple(out.shape)} differs from q {tuple(q.shape)}")
-        if out.dtype != q.dtype:
-            raise TypeError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
-        _check_device(q.device, out=out)
+    _check_out(out, q, _Q_LAYOUT)
 
 
 def _check_prefill(q, k_cache, v_cache, block_table, context_len, scale, out, window) -> None:
@@ -398,13 +386,7 @@ def _check_prefill(q, k_cache, v_cache, block_table, context_len, scale, out, wi
     _check_tensor("block_table", block_table, "[n]")
     _check_dtype("block_table", block_table, (torch.int32,))
     num_tokens, num_q_heads, q_head_dim = q.shape
-    if q_head_dim != head_dim:
-        raise ValueError(f"q head_dim {q_head_dim} differs from the cache head_dim {head_dim}")
-    if num_q_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q num_q_heads {num_q_heads} must be a positive multiple of num_kv_heads "
-            f"{num_kv_heads}"
-        )
+    _check_heads(num_q_heads, q_head_dim, num_kv_heads, head_dim)
     _check_int("context_len", context_len)
     if context_len < max(num_tokens, 1):
         raise ValueError(
@@ -419,13 +401,29 @@ def _check_prefill(q, k_cache, v_cache, block_table, context_len, scale, out, wi
     _check_int("window", window)
     _check_scale(scale)
     _check_device(q.device, k_cache=k_cache, v_cache=v_cache, block_table=block_table)
-    if out is not None:
-        _check_tensor("out", out, layout)
-        if out.shape != q.shape:
-            raise ValueError(f"out shape {tuple(out.shape)} differs from q {tuple(q.shape)}")
-        if out.dtype != q.dtype:
-            raise TypeError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
-        _check_device(q.device, out=out)
+    _check_out(out, q, layout)
+
+
+def _check_heads(num_q_heads: int, q_head_dim: int, num_kv_heads: int, head_dim: int) -> None:
+    if q_head_dim != head_dim:
+        raise ValueError(f"q head_dim {q_head_dim} differs from the cache head_dim {head_dim}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q num_q_heads {num_q_heads} must be a positive multiple of num_kv_heads "
+            f"{num_kv_heads}"
+        )
+
+
+def _check_out(out: torch.Tensor | None, q: torch.Tensor, layout: str) -> None:
+    """An out tensor, where given: q's shape, dtype and device."""
+    if out is None:
+        return
+    _check_tensor("out", out, layout)
+    if out.shape != q.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} differs from q {tuple(q.shape)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
+    _check_device(q.device, out=out)
 
 
 def _check_int(name: str, value: object) -> None:
