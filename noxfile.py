@@ -72,6 +72,7 @@ def bench(session: nox.Session) -> None:
     # llama.cpp's own files (F16, Q8_0, Q6_K, Q5_K_M, Q4_K_M) of SmolLM2 and a 1B-shaped Llama
     session.run("python", "-m", "bench.bench_kquants")
     session.run("python", "-m", "bench.bench_context")  # depth and prompt processing vs llama.cpp
+    session.run("python", "-m", "bench.bench_moe_llamacpp")  # Qwen3-30B-A3B's layers vs llama.cpp
     session.run("python", "-m", "bench.bench_tp")  # one process against two (tensor parallelism)
     session.run("python", "-m", "bench.bench_dp")  # replicas behind smg against one server
     session.run("python", "-m", "bench.bench_structured")  # grammars: compile, mask, throughput

@@ -166,11 +166,11 @@ def files(names: list[str], tmp: Path) -> dict[str, Path]:
 
 
 def machine() -> dict:
-    from nanoserve.kernels.quant import cpu_isa, uses_vnni
+    from nanoserve.kernels.quant import cpu_isa, uses_amx, uses_vnni
 
     flags = Path("/proc/cpuinfo").read_text().split("flags\t\t: ", 1)[-1].split("\n", 1)[0]
     wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "f16c")
-    path = cpu_isa() + (" + VNNI" if uses_vnni() else "")
+    path = cpu_isa() + (" + VNNI" if uses_vnni() else "") + (" + AMX GEMM" if uses_amx() else "")
     return {"cpu": cpu_model(), "flags": [f for f in wanted if f in flags.split()],
             "kernel_path": path, "threads": torch.get_num_threads()}  # fmt: skip
 

@@ -76,14 +76,21 @@ def read_bandwidth() -> float:
 
 
 @functools.cache
-def paths() -> list[tuple[str, str, bool]]:
-    """(label, path, VNNI) of every path this CPU runs."""
-    found = [(p, p, False) for p in quant.ISA_PATHS if quant.isa_supported(p)]
-    before = (quant.cpu_isa(), quant.uses_vnni())
+def paths() -> list[tuple[str, str, bool, bool]]:
+    """(label, path, VNNI, AMX) of every path this CPU runs (AMX: GEMMs of 16 rows or more)."""
+    found = [(p, p, False, False) for p in quant.ISA_PATHS if quant.isa_supported(p)]
+    before = current_path()
     if quant.isa_supported("avx512") and quant.set_isa("avx512", True) and quant.uses_vnni():
-        found.append(("avx512_vnni", "avx512", True))
+        found.append(("avx512_vnni", "avx512", True, False))
+        if quant.amx_supported():
+            found.append(("avx512_amx", "avx512", True, True))
     quant.set_isa(*before)
     return found
+
+
+def current_path() -> tuple[str, bool, bool]:
+    """set_isa's arguments for the path in use, to restore it."""
+    return quant.cpu_isa(), quant.uses_vnni(), quant.uses_amx()
 
 
 def dequant_libs() -> dict[str, ctypes.CDLL]:
@@ -126,9 +133,9 @@ def quant_point(w: torch.Tensor, m: int, qtype: str, budget: float) -> dict:
     x = torch.randn(m, w.shape[1])
     out = torch.empty(m, w.shape[0])
     times = {}
-    before = (quant.cpu_isa(), quant.uses_vnni())
-    for label, path, vnni in paths():
-        quant.set_isa(path, vnni)
+    before = current_path()
+    for label, path, vnni, amx in paths():
+        quant.set_isa(path, vnni, amx)
         times[label] = median_ms(functools.partial(kernels.quantized_linear, x, q, out), budget)
     quant.set_isa(*before)
     return {"weight_bytes": q.data.numel(), "ms": times}
@@ -221,9 +228,9 @@ def sweep(budget: float) -> list[dict]:
         calls = [functools.partial(kernels.small_linear, xs[w.shape[1]], w) for w in floats]
         ms = median_ms(lambda calls=calls: [c() for c in calls], budget)
         points.append(sweep_point(m, "float32", None, sum(w.numel() * 4 for w in floats), ms))
-        before = (quant.cpu_isa(), quant.uses_vnni())
-        for label, path, vnni in paths():
-            quant.set_isa(path, vnni)
+        before = current_path()
+        for label, path, vnni, amx in paths():
+            quant.set_isa(path, vnni, amx)
             calls = [functools.partial(kernels.quantized_linear, xs[b.shape[1]], b) for b in blocks]
             ms = median_ms(lambda calls=calls: [c() for c in calls], budget)
             points.append(sweep_point(m, "q4_1 int16", label, nbytes, ms))
@@ -280,7 +287,7 @@ def machine() -> dict:
         "cpu": cpu_model(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "quant_paths": [label for label, _, _ in paths()],
+        "quant_paths": [label for label, *_ in paths()],
         "quant_path_default": quant.cpu_isa(),
         "load_average": os.getloadavg(),
     }
@@ -289,7 +296,7 @@ def machine() -> dict:
 def main() -> int:
     args = parse_args()
     libs = dequant_libs() if args.compare_dequant else {}
-    print(f"paths: {[label for label, _, _ in paths()]}; threads {torch.get_num_threads()}")
+    print(f"paths: {[label for label, *_ in paths()]}; threads {torch.get_num_threads()}")
     bandwidth = read_bandwidth()
     print(f"read bandwidth (torch sum over 512 MiB): {bandwidth:.1f} GB/s", flush=True)
     gemv = measure_gemv(0.05 if args.quick else 0.25)

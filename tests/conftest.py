@@ -39,3 +39,26 @@ async def client(server):
         base_url=server.url + "/v1", api_key="unused", max_retries=0
     ) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def embedding_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`factory(kind, **kwargs) -> Path`: a tiny random embedding checkpoint written by
+    transformers and sentence-transformers (nanoserve.testing.embedding_models; kind: bert,
+    cross_encoder or decoder); the same arguments give the same directory."""
+    from nanoserve.testing import embedding_models
+
+    writers = {
+        "bert": embedding_models.write_bert,
+        "cross_encoder": embedding_models.write_cross_encoder,
+        "decoder": embedding_models.write_decoder_embedding,
+    }
+    cache: dict[str, Path] = {}
+
+    def factory(kind: str, **kwargs: Any) -> Path:
+        key = repr((kind, sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = writers[kind](tmp_path_factory.mktemp(kind), **kwargs)
+        return cache[key]
+
+    return factory

@@ -71,6 +71,27 @@ def test_the_offline_llm_raises_naming_the_setting(tiny_model_dir, monkeypatch):
         LLM(str(tiny_model_dir), kv_cache_memory_gb=2)
 
 
+def test_ranks_spawned_on_this_machine_are_refused_if_their_whole_reads_do_not_fit(
+    tiny_model_dir, monkeypatch
+):
+    """Under tensor parallelism every rank reads the whole checkpoint before it cuts its slice,
+    the spawned ranks at the same time as rank 0: two must fit twice the weights, or the start
+    is refused (ModelTooLarge) before any rank is spawned."""
+    from nanoserve.engine import ModelTooLarge
+    from nanoserve.engine.parallel import tp
+    from nanoserve.model import open_checkpoint
+
+    once = open_checkpoint(tiny_model_dir).weight_bytes(torch.float32)
+    monkeypatch.setattr(tp, "headroom", lambda: Headroom(2 * once - 1, "test"))
+
+    def not_spawned(*args, **kwargs):
+        raise AssertionError("the ranks were being spawned")
+
+    monkeypatch.setattr(tp, "_spawn", not_spawned)
+    with pytest.raises(ModelTooLarge, match=f"need {2 * once} bytes .*2 ranks on this machine"):
+        LLM(str(tiny_model_dir), tensor_parallel_size=2, dtype="float32")
+
+
 def _pools(blocks=1000, margin_per_token=10 * 1024):
     """Pools of 1 MiB blocks (of 16 tokens) at a context of 9000, with a margin of 10 KiB a
     token of context (90 MiB here)."""
@@ -151,6 +172,20 @@ def test_a_cpu_pool_is_one_mapping_taken_by_a_write_a_page(monkeypatch):
     assert resident_bytes() - before >= 0.95 * 64 * MiB
     assert written == [64 * MiB // mmap.PAGESIZE]
     assert all(not t.any() for pair in caches for t in pair)
+
+
+@pytest.mark.skipif(
+    Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "2",
+    reason="strict overcommit: the kernel charges every mapping, reserved or not",
+)
+def test_a_pool_larger_than_the_machine_is_mapped_so_that_the_check_can_refuse_it():
+    """Twice the machine's memory maps (nothing is written yet), so that the start is refused by
+    check_fits naming the setting, not by the kernel's OSError for a mapping that large."""
+    total = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
+    blocks = 2 * total // (2 * 16 * 64 * 4)  # one layer, one head of 64, float32
+    caches = allocate_cache(1, blocks, 1, 16, 64, torch.float32, "cpu")
+    assert caches[0][0].shape == (blocks, 1, 16, 64)
+    del caches
 
 
 def test_a_pool_not_fresh_from_allocate_cache_is_written_whole_with_zeros():

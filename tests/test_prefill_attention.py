@@ -39,6 +39,10 @@ class Case:
     context_len: int
     scale: float
 
+    @property
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_cache, self.v_cache
+
     def args(self) -> tuple:
         return (
             self.q,
@@ -60,20 +64,24 @@ def make_case(
 ) -> Case:
     """A sequence of cached + tokens positions in shuffled, non-consecutive blocks of a cache whose
     other slots are NaN (never written: a kernel that read one would return NaN), with one spare
-    table entry that is no block at all (-1: past the context, so never read)."""
+    table entry that is no block at all (-1: past the context, so never read). A q8_0 cache:
+    float32 values quantized (a NaN row's scale is NaN)."""
     q_heads, kv_heads, head_dim, block_size = shape
     context = cached + tokens
     used = -(-context // block_size)
     num_blocks = 2 * used + 3
     table = torch.randperm(num_blocks, generator=gen)[:used].to(torch.int32)
     cache_shape = (num_blocks, kv_heads, block_size, head_dim)
-    k_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype)
-    v_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype)
+    float_dtype = torch.float32 if cache_dtype == kernels.KV_Q8_0 else cache_dtype
+    k_cache = torch.full(cache_shape, float("nan"), dtype=float_dtype)
+    v_cache = torch.full(cache_shape, float("nan"), dtype=float_dtype)
     positions = torch.arange(context)
     blocks, offsets = table[positions // block_size].long(), positions % block_size
     rows = (context, kv_heads, head_dim)
-    k_cache[blocks, :, offsets] = torch.randn(rows, generator=gen).to(cache_dtype)
-    v_cache[blocks, :, offsets] = torch.randn(rows, generator=gen).to(cache_dtype)
+    k_cache[blocks, :, offsets] = torch.randn(rows, generator=gen).to(float_dtype)
+    v_cache[blocks, :, offsets] = torch.randn(rows, generator=gen).to(float_dtype)
+    if cache_dtype == kernels.KV_Q8_0:
+        k_cache, v_cache = kernels.q8_0_quantize(k_cache), kernels.q8_0_quantize(v_cache)
     q = torch.randn((tokens, q_heads, head_dim), generator=gen).to(q_dtype)
     spare = torch.tensor([-1], dtype=torch.int32)
     return Case(q, k_cache, v_cache, torch.cat([table, spare]), context, head_dim**-0.5)
@@ -87,8 +95,7 @@ def reference(case: Case, window: int = 0) -> torch.Tensor:
     blocks = case.block_table[positions // block_size].long()
     offsets = positions % block_size
     group = q_heads // kv_heads
-    k = case.k_cache[blocks, :, offsets].double().repeat_interleave(group, dim=1)
-    v = case.v_cache[blocks, :, offsets].double().repeat_interleave(group, dim=1)
+    k, v = (_floats(c[blocks, :, offsets]).repeat_interleave(group, dim=1) for c in case.caches)
     logits = torch.einsum("thd,chd->htc", case.q.double(), k) * case.scale
     rows = torch.arange(tokens).unsqueeze(1) + case.context_len - tokens
     hidden = positions.unsqueeze(0) > rows
@@ -96,6 +103,11 @@ def reference(case: Case, window: int = 0) -> torch.Tensor:
         hidden |= positions.unsqueeze(0) <= rows - window
     weights = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
     return torch.einsum("htc,chd->thd", weights, v)
+
+
+def _floats(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as float64 (q8_0 rows de-quantized)."""
+    return (kernels.q8_0_dequantize(rows) if rows.dtype == kernels.KV_Q8_0 else rows).double()
 
 
 def run(case: Case, backend: str, window: int = 0) -> torch.Tensor:
@@ -156,9 +168,10 @@ def test_c_and_torch_backends_agree(gen):
     assert difference <= 1e-5
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, kernels.KV_Q8_0], ids=str)
 def test_thread_count_does_not_change_a_bit(gen, cache_dtype):
-    case = make_case(gen, 200, 100, (8, 2, 40, 8), cache_dtype=cache_dtype)
+    head_dim = 32 if cache_dtype == kernels.KV_Q8_0 else 40  # (q8_0: whole blocks of 32)
+    case = make_case(gen, 200, 100, (8, 2, head_dim, 8), cache_dtype=cache_dtype)
     before = torch.get_num_threads()
     outs = []
     try:
@@ -171,10 +184,11 @@ def test_thread_count_does_not_change_a_bit(gen, cache_dtype):
 
 
 @pytest.mark.parametrize("window", [0, 45])
-def test_chunked_prefill_gives_the_same_bits(gen, window):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, kernels.KV_Q8_0], ids=str)
+def test_chunked_prefill_gives_the_same_bits(gen, window, cache_dtype):
     """A row's result does not depend on the other rows of its call: prefilling 200 tokens in
     chunks of 37, 100 and 63 gives exactly the rows of one 200-token call."""
-    case = make_case(gen, 200, 0, (9, 3, 64, 16))
+    case = make_case(gen, 200, 0, (9, 3, 64, 16), cache_dtype=cache_dtype)
     whole = run(case, "c", window)
     parts, start = [], 0
     for length in (37, 100, 63):

@@ -31,26 +31,28 @@ KQUANTS = [name for name in kernels.QUANT_TYPES if quant.BLOCK_VALUES[name] == 2
 ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 64, 300]  # GEMV to 4 (8 on AVX-512), GEMM past it
 MINS = ("q4_1", "q5_1")  # the formats with a min m per block
 FLOATS = ("f16", "bf16")  # 16-bit floats, multiplied by float32 activations (no int16 rounding)
-# (path, VNNI): each runs where the CPU has it; "avx512" without VNNI runs on any AVX-512 CPU.
+# (path, VNNI, AMX): each runs where the CPU has it; "avx512" without VNNI runs on any AVX-512 CPU;
+# AMX-INT8 takes the VNNI path's GEMMs of 16 rows or more.
 PATHS = {
-    "portable": ("portable", False),
-    "avx2": ("avx2", False),
-    "avx512": ("avx512", False),
-    "avx512_vnni": ("avx512", True),
+    "portable": ("portable", False, False),
+    "avx2": ("avx2", False, False),
+    "avx512": ("avx512", False, False),
+    "avx512_vnni": ("avx512", True, False),
+    "avx512_amx": ("avx512", True, True),
 }
 
 
 @pytest.fixture(params=list(PATHS))
 def isa(request):
     """Forces one path for the test, skipping it where this CPU lacks it."""
-    name, vnni = PATHS[request.param]
+    name, vnni, amx = PATHS[request.param]
     if not quant.isa_supported(name):
         pytest.skip(f"this CPU does not run the {name} path")
-    before = (quant.cpu_isa(), quant.uses_vnni())
-    assert quant.set_isa(name, vnni) == name
-    if quant.uses_vnni() != vnni:
+    before = (quant.cpu_isa(), quant.uses_vnni(), quant.uses_amx())
+    assert quant.set_isa(name, vnni, amx) == name
+    if (quant.uses_vnni(), quant.uses_amx()) != (vnni, amx):
         quant.set_isa(*before)
-        pytest.skip("this CPU has no AVX512-VNNI")
+        pytest.skip("this CPU (or OS) has no AVX512-VNNI or no AMX-INT8")
     yield request.param
     quant.set_isa(*before)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import QUANTIZATIONS, EngineConfig
+from nanoserve.config import QUANTIZATIONS, EngineConfig, SettingError
 from nanoserve.default_model import default_model_path
 from nanoserve.kernels import QUANT_TYPES, QuantizedWeight
 from nanoserve.model import resolve_dtype
@@ -129,6 +129,12 @@ def test_smollm2_blocks_with_their_default_float16_cache_agree_too(capsys):
     assert agree >= AGREEMENT and diff < LOGPROB_DIFF_KV16
 
 
+def test_smollm2_blocks_with_a_q8_0_cache_agree_too(capsys):
+    """The Q4_1 blocks over a q8_0 KV cache (llama.cpp's -ctk q8_0 -ctv q8_0)."""
+    agree, diff = _agreement(SMOLLM, capsys, "q4_1, q8_0 KV", kv="q8_0")
+    assert agree >= AGREEMENT_KV8 and diff < LOGPROB_DIFF_KV8
+
+
 def test_smollm2_q4_k_m_by_llama_cpp_agrees_with_the_dequantized_model(capsys, tmp_path):
     """SmolLM2 as llama.cpp's converter (F16) and quantizer (Q4_K_M) make it: Q5_0, Q8_0, Q4_K
     and Q6_K matrices (its 576-wide rows are mostly no multiple of 256), each kept in its blocks."""
@@ -156,6 +162,10 @@ AGREEMENT, LOGPROB_DIFF = 0.995, 0.01
 # With the float16 cache: 1.0000 and 0.0370 (Q4_1), 0.9995 and 0.0240 (Q4_K_M): a float16 key
 # differs from float32 by up to 2^-11 of itself, and SmolLM2's largest keys are large.
 LOGPROB_DIFF_KV16 = 0.06
+# With the q8_0 cache (Q4_1, AVX-512 VNNI): 0.9870 and 0.4298, against the float16 cache's 1.0000
+# and 0.0289 and the float32 cache's 1.0000 and 0.0026 in the same run: a block's step is 1/127
+# of its largest value, and SmolLM2's keys have a few large channels beside many small ones.
+AGREEMENT_KV8, LOGPROB_DIFF_KV8 = 0.98, 0.6
 
 
 def test_dtype_auto_picks_the_fastest_correct_dtype(tiny_model_dir, monkeypatch):
@@ -175,6 +185,12 @@ def test_quantization_needs_float32_on_a_cpu(tiny_model_dir):
         LLM(str(tiny_model_dir), quantization="q8_0", dtype="bfloat16")
     with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0"):
         EngineConfig(quantization="q2_k")
+
+
+def test_a_quantized_gguf_is_not_quantized_again():
+    """Its blocks stay as the file has them: another format is refused by name, not crashed on."""
+    with pytest.raises(SettingError, match=r"^quantization must be auto or none for a file whose"):
+        LLM(str(SMOLLM), quantization="q8_0")
 
 
 def test_the_settings_offer_the_kernels_formats():

@@ -324,7 +324,8 @@ static int check_sizes(const step_args *s) {
     const decode_args *a = &s->attn;
     if (s->rows < 1 || s->rows > NS_STEP_ROWS || (s->dtype != NS_F32 && s->dtype != NS_BF16) ||
         s->hidden < 1 || s->heads < 1 || s->kv_heads < 1 || s->heads % s->kv_heads ||
-        s->head_dim < 2 || s->head_dim % 2 || s->intermediate < 1 || a->block_size < 1 ||
+        s->head_dim < 2 || s->head_dim % 2 || !ns_cache_ok(a->cache_dtype, s->head_dim) ||
+        s->intermediate < 1 || a->block_size < 1 ||
         a->num_blocks < 1 || a->max_blocks_per_seq < 1 || s->threads < 1) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: inconsistent sizes or dtype code");
         return -1;
@@ -332,10 +333,11 @@ static int check_sizes(const step_args *s) {
     return 0;
 }
 
-/* 0, or -1 with a ValueError set when the caches' dtype is neither the step's nor (under float32
- * activations) bfloat16 or float16. */
+/* 0, or -1 with a ValueError set when the caches' dtype is neither the step's nor q8_0 nor (under
+ * float32 activations) bfloat16 or float16. */
 static int check_caches(const step_args *s) {
-    if (s->attn.cache_dtype != s->dtype && s->dtype != NS_F32) {
+    const int cache = s->attn.cache_dtype;
+    if (cache != s->dtype && cache != NS_Q8_0 && s->dtype != NS_F32) {
         PyErr_Format(PyExc_ValueError,
                      "decode_layers: KV caches of dtype code %d need float32 activations or "
                      "caches of the activations' dtype (code %d)",
@@ -520,8 +522,8 @@ PyObject *nanoserve_py_layer_table(PyObject *self, PyObject *args, PyObject *kwa
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|i", kwlist, &PyList_Type, &list,
                                      &cache_dtype))
         return NULL;
-    if (!ns_dtype_ok(cache_dtype)) {
-        PyErr_Format(PyExc_ValueError, "layer_table: cache_dtype_code %d is no dtype code",
+    if (!ns_dtype_ok(cache_dtype) && cache_dtype != NS_Q8_0) {
+        PyErr_Format(PyExc_ValueError, "layer_table: cache_dtype_code %d is no cache dtype code",
                      cache_dtype);
         return NULL;
     }

@@ -1,6 +1,6 @@
 /* The module nanoserve.kernels._C: its method table and constants. The entry points live beside
  * their kernels (paged_attention.c, prefill_attention.c, linear.c, norm_rope.c, decode_step.c,
- * quant.c, quant_convert.c, copy_rows.c); each takes its arguments by keyword
+ * quant.c, quant_experts.c, quant_convert.c, copy_rows.c); each takes its arguments by keyword
  * (kernels/python/c_backend.py names every one), pointers as ints. */
 #include "quant.h"
 
@@ -21,7 +21,7 @@ static PyMethodDef methods[] = {
      "paged_attention_decode(out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, "
      "num_q_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq, scale, "
      "dtype_code, cache_dtype_code, num_threads, window=0): pointers as ints, contiguous "
-     "tensors."},
+     "tensors; cache_dtype_code 3: rows of q8_0 blocks (head_dim a multiple of 32)."},
     {"paged_attention_prefill", KW_FUNCTION(nanoserve_py_paged_attention_prefill),
      METH_VARARGS | METH_KEYWORDS,
      "paged_attention_prefill(out, q, k_cache, v_cache, block_table, num_tokens, num_q_heads, "
@@ -36,7 +36,7 @@ static PyMethodDef methods[] = {
     {"store_kv", KW_FUNCTION(nanoserve_py_store_kv), METH_VARARGS | METH_KEYWORDS,
      "store_kv(key, value, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, "
      "block_size, num_blocks, dtype_code, cache_dtype_code, slots_are_int64): pointers as ints; "
-     "keys rounded to the cache's dtype."},
+     "keys rounded to the cache's dtype (or quantized to q8_0, cache_dtype_code 3)."},
     {"small_linear", KW_FUNCTION(nanoserve_py_small_linear), METH_VARARGS | METH_KEYWORDS,
      "small_linear(out, x, w, M, N, K, dtype_code, num_threads): out[m, n] = sum_k x[m, k] * "
      "w[n, k] for M <= GEMV_ROWS rows, float32 (0) or bfloat16 (1); pointers as ints."},
@@ -74,6 +74,12 @@ static PyMethodDef methods[] = {
      "quant_linear(out, x, w, M, N, K, qtype, num_threads): out [M, N] float32 = x [M, K] "
      "float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (BLOCK_FORMATS), "
      "x quantized per block to int16; pointers as ints."},
+    {"quant_experts", KW_FUNCTION(nanoserve_py_quant_experts), METH_VARARGS | METH_KEYWORDS,
+     "quant_experts(outs, ws, x, T, rows, P, groups, G, E, N, K, qtype, num_threads): for each "
+     "of 1-2 weights ws[i] (E experts' [N, K] matrices of GGUF blocks, one after another) outs[i] "
+     "[P, N] float32, row p = x[rows[p]] (x [T, K] float32; rows int64 [P], or 0: x[p]) times "
+     "expert e's matrix transposed for p in each group (e, start, count) of groups int64 [G, 3]; "
+     "rows bitwise quant_linear's; pointers as ints (outs and ws tuples of them)."},
     {"quantize", KW_FUNCTION(nanoserve_py_quantize), METH_VARARGS | METH_KEYWORDS,
      "quantize(out, w, N, K, qtype, num_threads): w [N, K] float32 into N rows of GGUF blocks, "
      "the bytes of gguf.quants.quantize."},
@@ -85,13 +91,16 @@ static PyMethodDef methods[] = {
      "each head's rotary halves put back where heads > 0 (llama.cpp's Q and K rows), all with "
      "the GIL released; pointers as ints."},
     {"set_quant_isa", KW_FUNCTION(nanoserve_py_set_quant_isa), METH_VARARGS | METH_KEYWORDS,
-     "set_quant_isa(isa, vnni=True): the quantized kernels' path, 'portable', 'avx2' or "
-     "'avx512', capped to what the CPU runs; returns (path, vnni) now in use. Not for use while "
-     "a kernel runs."},
+     "set_quant_isa(isa, vnni=True, amx=True): the quantized kernels' path, 'portable', 'avx2' "
+     "or 'avx512', capped to what the CPU runs, with AMX-INT8 GEMMs on the VNNI path if amx; "
+     "returns (path, vnni) now in use. Not for use while a kernel runs."},
     {"quant_isa", nanoserve_py_quant_isa, METH_NOARGS,
      "(path, vnni) the quantized kernels use now."},
     {"cpu_quant_isa", nanoserve_py_cpu_quant_isa, METH_NOARGS,
      "(path, vnni): the best the CPU runs, whatever NANOSERVE_ISA says."},
+    {"quant_amx", nanoserve_py_quant_amx, METH_NOARGS,
+     "(in use, available): whether the quantized GEMMs run on AMX-INT8 tiles now, and whether "
+     "this CPU and OS let them."},
     {"openmp_max_threads", py_openmp_max_threads, METH_NOARGS,
      "omp_get_max_threads() of the OpenMP runtime this module is bound to."},
     {NULL, NULL, 0, NULL},

@@ -13,14 +13,24 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <string.h>
 
 /* The dtype codes Python passes (kernels/python/c_backend.py DTYPE_CODES). Float16 is a dtype
- * of paged attention and the KV store only; the other kernels take float32 and bfloat16. */
-enum ns_dtype { NS_F32 = 0, NS_BF16 = 1, NS_F16 = 2 };
+ * of paged attention and the KV store only; the other kernels take float32 and bfloat16. Q8_0 is
+ * a KV cache format only: each row of head_dim values is head_dim / 32 blocks block_q8_0. */
+enum ns_dtype { NS_F32 = 0, NS_BF16 = 1, NS_F16 = 2, NS_Q8_0 = 3 };
+
+/* value j = qs[j] d: ggml's Q8_0 block, of GGUF matrices (quant_q8_0.c) and of the q8_0 KV
+ * cache's rows. */
+enum { NS_Q8_0_VALUES = 32 };
+typedef struct {
+    uint16_t d; /* fp16 */
+    int8_t qs[NS_Q8_0_VALUES];
+} block_q8_0;
+_Static_assert(sizeof(block_q8_0) == 34, "GGUF Q8_0");
 
 /* Rows the GEMV (and so the one-call decode step) takes at most; exported as _C.GEMV_ROWS, from
  * which kernels.api.SMALL_LINEAR_MAX_ROWS comes. */
@@ -41,8 +51,20 @@ static inline int ns_dtype_ok(int dtype) {
     return dtype == NS_F32 || dtype == NS_BF16 || dtype == NS_F16;
 }
 
-/* Bytes of one element of dtype. */
+/* Bytes of one element of dtype (a float dtype). */
 static inline size_t ns_dtype_size(int dtype) { return dtype == NS_F32 ? 4 : 2; }
+
+/* Whether a KV cache of dtype (a float dtype, or q8_0) can hold rows of head_dim values: q8_0
+ * takes whole blocks only. */
+static inline int ns_cache_ok(int dtype, Py_ssize_t head_dim) {
+    return ns_dtype_ok(dtype) || (dtype == NS_Q8_0 && head_dim % NS_Q8_0_VALUES == 0);
+}
+
+/* Bytes of a row of n values of dtype (a float dtype; or q8_0, n a multiple of 32). */
+static inline size_t ns_row_bytes(int dtype, Py_ssize_t n) {
+    if (dtype == NS_Q8_0) return (size_t)(n / NS_Q8_0_VALUES) * sizeof(block_q8_0);
+    return (size_t)n * ns_dtype_size(dtype);
+}
 
 static inline float ns_bits_to_f32(uint32_t u) {
     float f;
@@ -127,12 +149,53 @@ static inline float ns_load(const void *p, Py_ssize_t i, int dtype) {
     return ((const float *)p)[i];
 }
 
+/* n values (a multiple of 32) as q8_0 blocks, as ggml's quantize_row_q8_0_ref: d = max|x| / 127
+ * (stored as fp16), q = x * (1 / d) (d before its fp16 rounding) rounded halves away from zero
+ * (roundf); d = 0 gives q = 0. */
+static inline void ns_q8_0_quantize(block_q8_0 *restrict dst, const float *restrict x,
+                                    Py_ssize_t n) {
+    for (Py_ssize_t b = 0; b < n / NS_Q8_0_VALUES; b++, x += NS_Q8_0_VALUES) {
+        float amax = 0.0f;
+        for (int j = 0; j < NS_Q8_0_VALUES; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        dst[b].d = ns_f32_to_f16(d);
+        for (int j = 0; j < NS_Q8_0_VALUES; j++) dst[b].qs[j] = (int8_t)roundf(x[j] * id);
+    }
+}
+
+/* n values (a multiple of 32) of q8_0 blocks as float32, q d: one exact int-to-float conversion
+ * and one multiply each, so the AVX-512, AVX2 and scalar loops give the same bits. */
+static inline void ns_q8_0_load(float *restrict dst, const block_q8_0 *restrict b, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n / NS_Q8_0_VALUES; i++, dst += NS_Q8_0_VALUES) {
+        const float d = ns_f16_to_f32(b[i].d);
+#if defined(__AVX512F__)
+        const __m512 vd = _mm512_set1_ps(d);
+        for (int j = 0; j < NS_Q8_0_VALUES; j += 16) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(b[i].qs + j));
+            const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+            _mm512_storeu_ps(dst + j, _mm512_mul_ps(x, vd));
+        }
+#elif defined(__AVX2__)
+        const __m256 vd = _mm256_set1_ps(d);
+        for (int j = 0; j < NS_Q8_0_VALUES; j += 8) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(b[i].qs + j));
+            const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            _mm256_storeu_ps(dst + j, _mm256_mul_ps(x, vd));
+        }
+#else
+        for (int j = 0; j < NS_Q8_0_VALUES; j++) dst[j] = (float)b[i].qs[j] * d;
+#endif
+    }
+}
+
 /* Widens n values of dtype to float32: a query row, and the KV cache rows the attention kernels
- * widen before they compute (prefill's every row, decode's float16 blocks). float16 by F16C's
- * conversion where the CPU has it: gcc does not vectorise ns_f16_to_f32 as well. */
+ * widen before they compute (prefill's every row, decode's float16 and q8_0 blocks). float16 by
+ * F16C's conversion where the CPU has it: gcc does not vectorise ns_f16_to_f32 as well. */
 static inline void ns_load_row(float *restrict dst, const void *restrict src, Py_ssize_t n,
                                int dtype) {
-    if (dtype == NS_BF16) {
+    if (dtype == NS_Q8_0) {
+        ns_q8_0_load(dst, (const block_q8_0 *)src, n);
+    } else if (dtype == NS_BF16) {
         const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
         for (Py_ssize_t i = 0; i < n; i++) dst[i] = ns_bf16_to_f32(s[i]);
@@ -218,7 +281,7 @@ int nanoserve_check_slots(const void *slots, Py_ssize_t n, int slots_are_int64, 
 int nanoserve_check_positions(const int64_t *positions, Py_ssize_t n, Py_ssize_t table_rows);
 
 /* A layer's KV cache: k_cache and v_cache [num_blocks, num_kv_heads, block_size, head_dim] of
- * dtype (float32, bfloat16 or float16). */
+ * dtype (float32, bfloat16 or float16), or of q8_0 rows (ns_row_bytes). */
 typedef struct {
     char *k_cache, *v_cache;
     Py_ssize_t num_kv_heads, block_size, head_dim;
@@ -248,6 +311,20 @@ static inline void ns_convert(void *dst, int dst_dtype, const void *src, int src
     }
 }
 
+/* A cache row of n values of dtype (a float dtype, or q8_0: quantized a block at a time from its
+ * float32 widening) from n values of src_dtype (a float dtype). */
+static inline void ns_store_row(char *dst, int dtype, const char *src, int src_dtype, size_t n) {
+    if (dtype != NS_Q8_0) {
+        ns_convert(dst, dtype, src, src_dtype, n);
+        return;
+    }
+    float x[NS_Q8_0_VALUES];
+    for (size_t i = 0; i < n; i += NS_Q8_0_VALUES) {
+        ns_load_row(x, src + i * ns_dtype_size(src_dtype), NS_Q8_0_VALUES, src_dtype);
+        ns_q8_0_quantize((block_q8_0 *)dst + i / NS_Q8_0_VALUES, x, NS_Q8_0_VALUES);
+    }
+}
+
 /* The KV store, of kernels.store_kv (paged_attention.c) and of the decode step (decode_step.c):
  * one token's key and value, num_kv_heads rows each of src_dtype, into cache slot `slot` = block *
  * block_size + offset, converted to the cache's dtype. A negative slot (a padding row) is skipped;
@@ -256,13 +333,13 @@ static inline void ns_store_kv_token(const kv_cache *c, const char *key, const c
                                      int src_dtype, int64_t slot) {
     if (slot < 0) return;
     const size_t heads = (size_t)c->num_kv_heads, bs = (size_t)c->block_size;
-    const size_t d = (size_t)c->head_dim, es = ns_dtype_size(c->dtype);
+    const size_t d = (size_t)c->head_dim, dst_row = ns_row_bytes(c->dtype, c->head_dim);
     const size_t src_row = d * ns_dtype_size(src_dtype);
     const size_t blk = (size_t)(slot / c->block_size), off = (size_t)(slot % c->block_size);
     for (size_t h = 0; h < heads; h++) {
-        const size_t dst = ((blk * heads + h) * bs + off) * d * es;
-        ns_convert(c->k_cache + dst, c->dtype, key + h * src_row, src_dtype, d);
-        ns_convert(c->v_cache + dst, c->dtype, value + h * src_row, src_dtype, d);
+        const size_t dst = ((blk * heads + h) * bs + off) * dst_row;
+        ns_store_row(c->k_cache + dst, c->dtype, key + h * src_row, src_dtype, d);
+        ns_store_row(c->v_cache + dst, c->dtype, value + h * src_row, src_dtype, d);
     }
 }
 
@@ -304,12 +381,14 @@ PyObject *nanoserve_py_check_tables(PyObject *self, PyObject *args, PyObject *kw
 PyObject *nanoserve_py_check_slots(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_check_positions(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_quant_experts(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_copy_rows(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_dequantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_set_quant_isa(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quant_isa(PyObject *self, PyObject *unused);
 PyObject *nanoserve_py_cpu_quant_isa(PyObject *self, PyObject *unused);
+PyObject *nanoserve_py_quant_amx(PyObject *self, PyObject *unused);
 /* _C.BLOCK_FORMATS, {name: (GGML type id, block bytes)} of quant.h's table, or NULL with an error
  * set. */
 PyObject *nanoserve_block_formats(void);

@@ -4,8 +4,8 @@
  * keyword arguments (kernels/python/c_backend.py); every tensor is contiguous. Cache layout:
  * [num_blocks, num_kv_heads, block_size, head_dim]. One OpenMP work item is one (sequence, KV
  * head, partition of the context): its query heads are processed together, so each key and value
- * row is read from memory once; the softmax is online, in float32, and bf16/fp16 cache values are
- * widened as they are read. Inner loops are written for gcc's auto-vectoriser (check with
+ * row is read from memory once; the softmax is online, in float32, and bf16/fp16/q8_0 cache
+ * values are widened as they are read. Inner loops are written for gcc's auto-vectoriser (check with
  * -fopt-info-vec); no intrinsics but F16C's float16 widening where the CPU has it, no
  * -ffast-math.
  */
@@ -333,9 +333,9 @@ static ALWAYS_INLINE void attend(const decode_args *a, const scratch *s, Py_ssiz
                                  Py_ssize_t kvh, Py_ssize_t begin, Py_ssize_t end,
                                  const Py_ssize_t d, const Py_ssize_t bs, const int cache_dtype) {
     const Py_ssize_t group = a->num_q_heads / a->num_kv_heads, ctx = a->context_lens[seq];
-    const size_t es = ns_dtype_size(cache_dtype);
+    const size_t row_bytes = ns_row_bytes(cache_dtype, d);
     const int32_t *table = a->block_tables + seq * a->max_blocks_per_seq;
-    const size_t block_bytes = (size_t)(bs * d) * es;
+    const size_t block_bytes = (size_t)bs * row_bytes;
     const size_t head_bytes = (size_t)kvh * block_bytes;
     const size_t stride = (size_t)a->num_kv_heads * block_bytes; /* between blocks */
     /* The block that holds begin is read whole and its rows before begin masked (a sliding
@@ -351,16 +351,15 @@ static ALWAYS_INLINE void attend(const decode_args *a, const scratch *s, Py_ssiz
             next_k = (const char *)a->k + (size_t)table[j + 1] * stride + head_bytes;
             next_v = (const char *)a->v + (size_t)table[j + 1] * stride + head_bytes;
         }
-        if (n == bs && cache_dtype != NS_F16) {
-            block_step(s, kb, vb, cache_dtype, lo, n, group, d, bs, next_k, next_v,
-                       (size_t)d * es);
+        if (n == bs && cache_dtype != NS_F16 && cache_dtype != NS_Q8_0) {
+            block_step(s, kb, vb, cache_dtype, lo, n, group, d, bs, next_k, next_v, row_bytes);
         } else {
-            /* The last, partial block, zero-padded to a whole one; and float16 blocks, whose
-             * widening vectorises as a loop of its own but not inside the dot products. */
+            /* The last, partial block, zero-padded to a whole one; and float16 and q8_0 blocks,
+             * whose widening vectorises as a loop of its own but not inside the dot products. */
             load_block(s->k, kb, n, bs, d, cache_dtype);
             load_block(s->v, vb, n, bs, d, cache_dtype);
             block_step(s, (const char *)s->k, (const char *)s->v, NS_F32, lo, n, group, d, bs,
-                       next_k, next_v, (size_t)d * es);
+                       next_k, next_v, row_bytes);
         }
     }
 }
@@ -401,6 +400,8 @@ static void decode_item(const decode_args *a, const scratch *s, const work_item 
                         float *partials) {
     if (a->cache_dtype == NS_BF16)
         decode_shape(a, s, it, partials, NS_BF16);
+    else if (a->cache_dtype == NS_Q8_0)
+        decode_shape(a, s, it, partials, NS_Q8_0);
     else if (a->cache_dtype == NS_F16)
         decode_shape(a, s, it, partials, NS_F16);
     else
@@ -512,7 +513,7 @@ PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, Py
                                      &a.max_blocks_per_seq, &scale, &a.dtype, &a.cache_dtype,
                                      &num_threads, &a.window))
         return NULL;
-    if (!ns_dtype_ok(a.dtype) || !ns_dtype_ok(a.cache_dtype) || a.num_kv_heads < 1 ||
+    if (!ns_dtype_ok(a.dtype) || !ns_cache_ok(a.cache_dtype, a.head_dim) || a.num_kv_heads < 1 ||
         a.head_dim < 1 || a.window < 0 || a.block_size < 1 ||
         a.num_q_heads % a.num_kv_heads != 0 || num_threads < 1) {
         PyErr_SetString(PyExc_ValueError,
@@ -581,8 +582,9 @@ PyObject *nanoserve_py_store_kv(PyObject *self, PyObject *args, PyObject *kwargs
                                      &c.head_dim, &c.block_size, &num_blocks, &dtype, &c.dtype,
                                      &slots_are_int64))
         return NULL;
-    if (!ns_dtype_ok(dtype) || !ns_dtype_ok(c.dtype)) {
-        PyErr_SetString(PyExc_ValueError, "store_kv: unknown dtype code");
+    if (!ns_dtype_ok(dtype) || !ns_cache_ok(c.dtype, c.head_dim)) {
+        PyErr_SetString(PyExc_ValueError, "store_kv: unknown dtype code, or a q8_0 cache's "
+                                          "head_dim not a multiple of 32");
         return NULL;
     }
     const void *slot_mapping = (const void *)(uintptr_t)slots;

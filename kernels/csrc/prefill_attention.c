@@ -50,7 +50,7 @@ static ALWAYS_INLINE vrow load_lanes(const float *p) {
 static ALWAYS_INLINE void store_lanes(float *p, vrow v) { memcpy(p, &v, sizeof v); }
 
 static inline size_t kv_row_bytes(const prefill_args *a) {
-    return (size_t)a->head_dim * ns_dtype_size(a->cache_dtype);
+    return ns_row_bytes(a->cache_dtype, a->head_dim);
 }
 
 /* The row of KV head kvh at position pos of the sequence, found through its block table. */
@@ -363,8 +363,8 @@ PyObject *nanoserve_py_paged_attention_prefill(PyObject *self, PyObject *args, P
                                      &a.context_len, &scale, &a.q_dtype, &a.cache_dtype,
                                      &num_threads, &a.window))
         return NULL;
-    if ((a.q_dtype != NS_F32 && a.q_dtype != NS_BF16) || a.cache_dtype < NS_F32 ||
-        a.cache_dtype > NS_F16 || a.num_tokens < 0 || a.num_kv_heads < 1 || a.head_dim < 1 ||
+    if ((a.q_dtype != NS_F32 && a.q_dtype != NS_BF16) || !ns_cache_ok(a.cache_dtype, a.head_dim) ||
+        a.num_tokens < 0 || a.num_kv_heads < 1 || a.head_dim < 1 ||
         a.block_size < 1 || a.num_q_heads < 1 || a.num_q_heads % a.num_kv_heads != 0 ||
         a.window < 0 || a.context_len > INT32_MAX || num_threads < 1) {
         PyErr_SetString(PyExc_ValueError,

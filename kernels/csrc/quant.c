@@ -4,7 +4,9 @@
  * The path (portable C, AVX2+FMA+F16C, AVX-512 F/BW/VL with VNNI where the CPU has it) is chosen
  * once at module load from what the CPU reports, capped by the environment variable NANOSERVE_ISA
  * ("portable", "avx2", "avx512"); set_quant_isa changes it for tests and benchmarks. The format's
- * row of the table of formats (FORMATS, below) gives the path's kernel.
+ * row of the table of formats (FORMATS, below) gives the path's kernel. On the VNNI path, GEMMs
+ * of M >= NS_AMX_ROWS run on AMX-INT8 tiles (quant_amx.h, the same results bit for bit) where
+ * the CPU has them and Linux lets the process use them, unless NANOSERVE_AMX is 0.
  *
  * Batch invariant and deterministic: each row of x is quantized on its own, the threads split the
  * output features N (never K), and each out[m, n] is the same sequence of operations on row m of
@@ -14,6 +16,11 @@
 
 #include <omp.h>
 #include <stdlib.h>
+#if NS_X86 && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* The formats, each defined in its file quant_<name>.c: adding one is a line here, its file, its
  * GGML id (quant.h) and its SIMD kernel (quant_simd.h). Python reads them from _C.BLOCK_FORMATS. */
@@ -37,6 +44,22 @@ enum { NUM_ISAS = 3 };
 
 static int isa_in_use = NS_PORTABLE; /* read once per call; set at load and by tests */
 static int vnni_in_use = 0;
+static int amx_in_use = 0;  /* only with vnni_in_use */
+static int cpu_amx = -1;    /* whether the process may use AMX-INT8: -1 until asked */
+
+/* Whether the CPU has AMX-INT8 (cpuid leaf 7: EDX bits 24, amx-tile, and 25, amx-int8) and Linux
+ * grants this process the tiles' state (XFEATURE_XTILEDATA, 18, through ARCH_REQ_XCOMP_PERM): a
+ * tile instruction without that grant kills the process. Asked once. */
+static int cpu_has_amx(void) {
+    if (cpu_amx >= 0) return cpu_amx;
+    cpu_amx = 0;
+#if NS_X86 && defined(__linux__)
+    unsigned eax, ebx, ecx, edx;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 24 & 1) && (edx >> 25 & 1))
+        cpu_amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+#endif
+    return cpu_amx;
+}
 
 /* The best path this CPU (and its OS, which __builtin_cpu_supports checks for the AVX states)
  * runs; *vnni: whether it has AVX512-VNNI. */
@@ -62,12 +85,14 @@ static int isa_by_name(const char *name) {
     return -1;
 }
 
-/* Uses path `isa` capped to what the CPU runs, and VNNI if asked and there. */
-static void use_isa(int isa, int vnni) {
+/* Uses path `isa` capped to what the CPU runs, VNNI if asked and there, and AMX if asked and
+ * there with VNNI. */
+static void use_isa(int isa, int vnni, int amx) {
     int cpu_vnni;
     const int best = cpu_best_isa(&cpu_vnni);
     isa_in_use = isa < best ? isa : best;
     vnni_in_use = isa_in_use == NS_AVX512 && vnni && cpu_vnni;
+    amx_in_use = vnni_in_use && amx && cpu_has_amx();
 }
 
 int nanoserve_quant_init(void) {
@@ -79,22 +104,40 @@ int nanoserve_quant_init(void) {
                      env);
         return -1;
     }
-    use_isa(isa, 1);
+    const char *amx = getenv("NANOSERVE_AMX");
+    if (amx && *amx && strcmp(amx, "0") != 0 && strcmp(amx, "1") != 0) {
+        PyErr_Format(PyExc_ValueError, "NANOSERVE_AMX must be 0 or 1 (or unset), got '%s'", amx);
+        return -1;
+    }
+    use_isa(isa, 1, !(amx && strcmp(amx, "0") == 0));
     return 0;
 }
 
 /* ---------------------------------------------------------------- the activations */
 
-/* One allocation (64-byte aligned parts) for M rows of K values; returns it, or NULL. */
-static void *xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K) {
+/* One allocation (64-byte aligned parts) for M rows of K values, and their split into hi and lo
+ * bytes (tiles) if `split` (M rounded up to NS_AMX_ROWS rows, the extra ones zeros); returns it,
+ * or NULL. */
+void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split) {
     xq->blocks = K / QK;
+    const Py_ssize_t rows = split ? (M + NS_AMX_ROWS - 1) / NS_AMX_ROWS * NS_AMX_ROWS : M;
     const size_t q_bytes = ((size_t)(M * K) * sizeof(int16_t) + 63) & ~(size_t)63;
-    const size_t scale_bytes = ((size_t)(M * xq->blocks) * sizeof(float) + 63) & ~(size_t)63;
-    char *base = aligned_alloc(64, q_bytes + 2 * scale_bytes + 64);
+    const size_t scale_bytes = ((size_t)(rows * xq->blocks) * sizeof(float) + 63) & ~(size_t)63;
+    const size_t tile_bytes = split ? (size_t)(rows * K) * 2 : 0;
+    char *base = aligned_alloc(64, q_bytes + 2 * scale_bytes + tile_bytes + 64);
     if (!base) return NULL;
     xq->q = (int16_t *)base;
     xq->dx = (float *)(base + q_bytes);
     xq->sx = (float *)(base + q_bytes + scale_bytes);
+    xq->tiles = NULL;
+    if (split) {
+        xq->tiles = (int8_t *)(base + q_bytes + 2 * scale_bytes);
+        const size_t pad = (size_t)(rows - M) * (size_t)xq->blocks;
+        memset(xq->dx + M * xq->blocks, 0, pad * sizeof(float));
+        memset(xq->sx + M * xq->blocks, 0, pad * sizeof(float));
+        /* the last tile, whose rows past M stay zeros (M's are written by ns_quantize_x_row) */
+        if (pad) memset(xq->tiles + (rows - NS_AMX_ROWS) * K * 2, 0, (size_t)(NS_AMX_ROWS * K) * 2);
+    }
     return base;
 }
 
@@ -118,8 +161,8 @@ static float quantize_block(int16_t *v, const float *x) {
 }
 
 /* Row m of x, quantized: each block's values in `order` (value order[j] at j), or in order when
- * it is NULL, its dx and sx. */
-static void quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py_ssize_t m) {
+ * it is NULL, its dx and sx, and its split into hi and lo where xq has them. */
+void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py_ssize_t m) {
     for (Py_ssize_t b = 0; b < xq->blocks; b++) {
         int16_t v[QK];
         const float dx = quantize_block(v, x + (m * xq->blocks + b) * QK);
@@ -131,40 +174,53 @@ static void quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x
         }
         xq->dx[m * xq->blocks + b] = dx;
         xq->sx[m * xq->blocks + b] = dx * (float)sum;
+        int8_t *hi = xq->tiles ? xq->tiles + ((m / NS_AMX_ROWS * xq->blocks + b) * 2 * NS_AMX_ROWS +
+                                              m % NS_AMX_ROWS) * QK
+                               : NULL;
+        for (int j = 0; hi && j < QK; j++) {
+            hi[j] = (int8_t)(q[j] >> 8);
+            hi[NS_AMX_ROWS * QK + j] = (int8_t)(q[j] & 255); /* lo, as the same bits */
+        }
     }
 }
 
 /* ---------------------------------------------------------------- the driver */
 
 /* The format's kernel on the path. */
-static ns_matmul_fn path_kernel(const ns_block_format *f, int path) {
+ns_matmul_fn ns_path_kernel(const ns_block_format *f, int path) {
     switch (path) {
 #if NS_X86
     case NS_AVX2: return NS_AVX2_KERNELS[f->code];
     case NS_AVX512: return NS_AVX512_KERNELS[f->code];
     case NS_AVX512_VNNI: return NS_AVX512_VNNI_KERNELS[f->code];
+    case NS_AMX: return NS_AMX_KERNELS[f->code];
 #endif
     default: return f->portable;
     }
 }
 
+int ns_quant_path(void) {
+    return isa_in_use + vnni_in_use + amx_in_use; /* NS_AVX512 + 1 is NS_AVX512_VNNI, + 2 NS_AMX */
+}
+
 int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const void *w, Py_ssize_t M,
                            Py_ssize_t N, Py_ssize_t K, int qtype, int num_threads) {
     const ns_block_format *f = ns_block_format_of(qtype);
-    const int path = isa_in_use + vnni_in_use; /* NS_AVX512 + 1 is NS_AVX512_VNNI */
+    const int path = ns_quant_path();
     const uint8_t *order = path == NS_PORTABLE ? NULL : f->pairs;
     ns_xq xq = {0};
     void *base = NULL; /* the quantized activations, which a float_x format does without */
-    if (!f->float_x && !(base = xq_alloc(&xq, M, K))) return -1;
+    const int split = path == NS_AMX && M >= NS_AMX_ROWS;
+    if (!f->float_x && !(base = ns_xq_alloc(&xq, M, K, split))) return -1;
     const ns_qmm a = {out, (const char *)w, &xq, M, N, K, ldo,
                       (size_t)(K / ns_block_values(f)) * f->block_bytes, x};
-    const ns_matmul_fn kernel = path_kernel(f, path);
+    const ns_matmul_fn kernel = ns_path_kernel(f, path);
     if (num_threads > N) num_threads = N > 0 ? (int)N : 1;
 #pragma omp parallel num_threads(num_threads)
     {
         if (!f->float_x) {
 #pragma omp for schedule(static)
-            for (Py_ssize_t m = 0; m < M; m++) quantize_x_row(&xq, order, x, m);
+            for (Py_ssize_t m = 0; m < M; m++) ns_quantize_x_row(&xq, order, x, m);
         }
         /* A contiguous range of output features per thread; the split never changes a result. */
         const Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -239,16 +295,23 @@ PyObject *nanoserve_py_cpu_quant_isa(PyObject *self, PyObject *unused) {
 
 PyObject *nanoserve_py_set_quant_isa(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    static char *kwlist[] = {"isa", "vnni", NULL};
+    static char *kwlist[] = {"isa", "vnni", "amx", NULL};
     const char *name;
-    int vnni = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|p", kwlist, &name, &vnni)) return NULL;
+    int vnni = 1, amx = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|pp", kwlist, &name, &vnni, &amx))
+        return NULL;
     const int isa = isa_by_name(name);
     if (isa < 0) {
         PyErr_Format(PyExc_ValueError, "isa must be one of portable, avx2, avx512, got '%s'",
                      name);
         return NULL;
     }
-    use_isa(isa, vnni);
+    use_isa(isa, vnni, amx);
     return isa_tuple(isa_in_use, vnni_in_use);
+}
+
+PyObject *nanoserve_py_quant_amx(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return Py_BuildValue("(OO)", amx_in_use ? Py_True : Py_False,
+                         cpu_has_amx() ? Py_True : Py_False);
 }

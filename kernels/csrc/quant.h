@@ -53,7 +53,16 @@ typedef struct {
     int16_t *q;
     float *dx, *sx;
     Py_ssize_t blocks; /* K / QK */
+    /* For the AMX GEMM (quant_amx.h), else NULL: each q as its high byte q >> 8 (hi, signed) and
+     * low byte q & 255 (lo, unsigned), laid out as AMX loads them: per tile of NS_AMX_ROWS rows
+     * and per block, the tile's rows' 32 hi bytes one after another, then their lo bytes. The
+     * rows from M up to a multiple of NS_AMX_ROWS are zeros, as are their dx and sx. */
+    int8_t *tiles;
 } ns_xq;
+
+/* The AMX path's GEMM takes M >= NS_AMX_ROWS rows in tiles of NS_AMX_ROWS; fewer, the VNNI GEMV
+ * and GEMM. */
+enum { NS_AMX_ROWS = 16 };
 
 /* One matmul for the kernels: out [M, N] float32 = x W^T with W [N, K] in blocks, row_bytes a
  * row; row m of out starts at out + m ldo (ldo >= N: a matrix of several parts in different
@@ -72,8 +81,8 @@ typedef struct {
 typedef void (*ns_matmul_fn)(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1);
 
 /* The paths, in order of preference; kernels.cpu_isa() names the first three, VNNI is an option
- * of the AVX-512 one. */
-enum ns_path { NS_PORTABLE, NS_AVX2, NS_AVX512, NS_AVX512_VNNI, NS_NUM_PATHS };
+ * of the AVX-512 one and AMX-INT8 one of VNNI's. */
+enum ns_path { NS_PORTABLE, NS_AVX2, NS_AVX512, NS_AVX512_VNNI, NS_AMX, NS_NUM_PATHS };
 
 /* GGML's type ids of the formats: the qtype codes Python passes (c_backend.QTYPE_CODES). */
 enum ns_ggml_type {
@@ -82,10 +91,10 @@ enum ns_ggml_type {
 };
 
 /* Each SIMD path's kernels by GGML type id: quant_simd.h's table, which quant_avx2.c,
- * quant_avx512.c and quant_avx512_vnni.c compile once each. */
+ * quant_avx512.c, quant_avx512_vnni.c and quant_amx.c compile once each. */
 #if NS_X86
 extern const ns_matmul_fn *const NS_AVX2_KERNELS, *const NS_AVX512_KERNELS,
-    *const NS_AVX512_VNNI_KERNELS;
+    *const NS_AVX512_VNNI_KERNELS, *const NS_AMX_KERNELS;
 #endif
 
 /* A block format: what the driver (quant.c, quant_convert.c) needs of it. Each format's file
@@ -108,6 +117,15 @@ typedef struct {
 
 /* quant.c: the format with GGML type id `code`, or NULL. */
 const ns_block_format *ns_block_format_of(int code);
+
+/* quant.c's driver, shared with the experts' matmul (quant_experts.c): the path in use now, its
+ * kernel of format f, the activations' buffer for M rows of K values (split into AMX tiles if
+ * `split`; returns the allocation to free, or NULL), and row m of x quantized into it in `order`
+ * (the format's pairs, NULL on the portable path). */
+int ns_quant_path(void);
+ns_matmul_fn ns_path_kernel(const ns_block_format *f, int path);
+void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split);
+void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py_ssize_t m);
 
 /* Values per block of f along K: a row of K values (a multiple of it) takes K / it blocks. */
 static inline int ns_block_values(const ns_block_format *f) {

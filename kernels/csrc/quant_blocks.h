@@ -37,12 +37,9 @@ typedef struct {
 } block_q5_1;
 _Static_assert(sizeof(block_q5_1) == 24 && sizeof(block_q5_1) <= NS_MAX_BLOCK_BYTES, "GGUF Q5_1");
 
-/* value j = qs[j] d */
-typedef struct {
-    uint16_t d; /* fp16 */
-    int8_t qs[QK];
-} block_q8_0;
-_Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q8_0) <= NS_MAX_BLOCK_BYTES, "GGUF Q8_0");
+/* block_q8_0: in nanoserve.h, being the q8_0 KV cache's block too */
+_Static_assert((int)NS_Q8_0_VALUES == (int)QK && sizeof(block_q8_0) <= NS_MAX_BLOCK_BYTES,
+               "GGUF Q8_0");
 
 /* ---------------------------------------------------------------- K-quants (quant_kquants.h) */
 

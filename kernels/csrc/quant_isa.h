@@ -1,8 +1,9 @@
 /* The vocabulary of the quantized matmul's SIMD kernels (quant_strips.h, quant_simd.h) for the
  * instruction set the including file picks: AVX-512 (F, BW and VL) where it defines NS_AVX512,
- * with vpdpwssd where it also defines NS_VNNI, else AVX2 (with FMA and F16C). The vector types and
- * width, the instructions the kernels name (each line: AVX-512's, then AVX2's), the transposes and
- * the constants that differ. The one place that names a vector intrinsic.
+ * with vpdpwssd where it also defines NS_VNNI (and AMX-INT8 where NS_AMX), else AVX2 (with FMA
+ * and F16C). The vector types and width, the instructions the kernels name (each line:
+ * AVX-512's, then AVX2's), the transposes and the constants that differ. The one place that
+ * names a vector intrinsic, but for the AMX GEMM's own (quant_amx.h).
  */
 #ifndef NANOSERVE_QUANT_ISA_H
 #define NANOSERVE_QUANT_ISA_H
@@ -11,7 +12,9 @@
 
 #include <immintrin.h>
 
-#if defined(NS_AVX512) && defined(NS_VNNI)
+#if defined(NS_AVX512) && defined(NS_VNNI) && defined(NS_AMX)
+#define ISA_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8"
+#elif defined(NS_AVX512) && defined(NS_VNNI)
 #define ISA_TARGET "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
 #elif defined(NS_AVX512)
 #define ISA_TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"

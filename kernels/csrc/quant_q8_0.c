@@ -6,21 +6,10 @@
 
 #include <math.h>
 
-/* d = max|x| / 127, q = round(x / d), halves away from zero. */
-static void q8_0_quantize(void *block, const float *x) {
-    block_q8_0 *b = block;
-    float amax = 0.0f;
-    for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    b->d = ns_f32_to_f16(d);
-    for (int j = 0; j < QK; j++) b->qs[j] = (int8_t)roundf(x[j] * id);
-}
+/* d = max|x| / 127, q = round(x / d), halves away from zero: the KV cache's quantizer. */
+static void q8_0_quantize(void *block, const float *x) { ns_q8_0_quantize(block, x, QK); }
 
-static void q8_0_dequantize(float *x, const void *block) {
-    const block_q8_0 *b = block;
-    const float d = ns_f16_to_f32(b->d);
-    for (int j = 0; j < QK; j++) x[j] = (float)b->qs[j] * d;
-}
+static void q8_0_dequantize(float *x, const void *block) { ns_q8_0_load(x, block, QK); }
 
 /* ---------------------------------------------------------------- portable C */
 

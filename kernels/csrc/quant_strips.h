@@ -300,8 +300,21 @@ NS_INLINE void strip_gemm(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const s
     free(panel);
 }
 
-/* out[:, n0:n1] of a format's matmul: what its kernels call. */
+#ifdef NS_AMX
+#include "quant_amx.h"
+#endif
+
+/* out[:, n0:n1] of a format's matmul: what its kernels call. On the AMX path, the AMX GEMM where
+ * quant.c split the activations for it (M >= NS_AMX_ROWS), but for Q6_K: its 16-value halves
+ * give AMX twice the dots to store per block, and a first version that took them ran at 0.7-0.9x
+ * the VNNI GEMM at 512 rows (the other formats: 1.16-1.41x, bench/experiments/amx_gemm.py). */
 NS_INLINE void strip_matmul(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const strip_format f) {
+#ifdef NS_AMX
+    if (a->x->tiles && !f.halves) {
+        amx_gemm(a, n0, n1, f);
+        return;
+    }
+#endif
     if (a->M <= GEMV_ROWS)
         strip_gemv(a, 0, (int)a->M, n0, n1, f);
     else

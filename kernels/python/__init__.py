@@ -4,7 +4,9 @@ kernels/csrc) and Triton. Imports nothing of nanoserve.
 
 - Paged attention: paged_attention_decode (a token per sequence) and paged_attention_prefill (a
   sequence's chunk of tokens, causal) read the paged KV cache ([num_blocks, num_kv_heads,
-  block_size, head_dim]); store_kv writes new tokens into it. backend="auto" picks the C kernel
+  block_size, head_dim]), of float32, bfloat16, float16 or, on the CPU, llama.cpp's q8_0 blocks
+  (KV_Q8_0: uint8 rows of cache_row_width bytes; q8_0_quantize and q8_0_dequantize are their
+  reference); store_kv writes new tokens into it. backend="auto" picks the C kernel
   for CPU tensors and, for CUDA tensors, Triton (decode) or the torch reference (prefill); a C
   module that was not built is an error (BackendUnavailableError), never a silent fallback.
 - The CPU decode helpers: small_linear is F.linear for a few rows (the batch-1 decode GEMV) at
@@ -12,7 +14,8 @@ kernels/csrc) and Triton. Imports nothing of nanoserve.
   activation (SwiGLU or GELU-tanh) in one C call each.
 - Matmuls on GGUF blocks (quant.py): quantized_linear multiplies by a matrix kept in one of
   llama.cpp's block formats (QUANT_TYPES, the C module's table of formats) on the CPU's best
-  instruction set (cpu_isa()), its input rounded to int16 (ACTIVATIONS).
+  instruction set (cpu_isa()), its input rounded to int16 (ACTIVATIONS); expert_linear does it
+  for all of a mixture of experts' chosen experts in one call (llama.cpp's MUL_MAT_ID).
 """
 
 from .api import (
@@ -21,6 +24,7 @@ from .api import (
     SMALL_LINEAR_MAX_ROWS,
     BackendUnavailableError,
     available_backends,
+    cache_row_width,
     gated_mul,
     paged_attention_decode,
     paged_attention_prefill,
@@ -37,14 +41,17 @@ from .quant import (
     aligned_bytes,
     cpu_isa,
     dequantize,
+    expert_linear,
     quantize,
     quantized_linear,
 )
+from .torch_ref import KV_Q8_0, q8_0_dequantize, q8_0_quantize
 
 __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
     "CACHE_DTYPES",
+    "KV_Q8_0",
     "SMALL_LINEAR_MAX_ROWS",
     "BackendUnavailableError",
     "QUANT_TYPES",
@@ -52,10 +59,14 @@ __all__ = [
     "QuantizedWeight",
     "aligned_bytes",
     "available_backends",
+    "cache_row_width",
     "cpu_isa",
     "dequantize",
+    "expert_linear",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "q8_0_dequantize",
+    "q8_0_quantize",
     "quantize",
     "quantized_linear",
     "rms_norm",

@@ -17,12 +17,25 @@ import torch
 
 from . import c_backend, torch_ref
 from .errors import BackendUnavailableError
+from .torch_ref import KV_Q8_0, Q8_0_BYTES, Q8_0_VALUES
 
 BACKENDS = ("auto", "torch", "c", "triton")
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# KV_Q8_0 (uint8): a cache of q8_0 rows, head_dim / 32 * 34 bytes each (CPU: the torch and c
+# backends).
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, KV_Q8_0)
 _Q_LAYOUT = "[num_seqs, num_q_heads, head_dim]"
 _CACHE_LAYOUT = "[num_blocks, num_kv_heads, block_size, head_dim]"
 _KV_LAYOUT = "[num_tokens, num_kv_heads, head_dim]"
+
+
+def cache_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """The last axis of a KV cache of dtype for rows of head_dim values: head_dim, or a q8_0
+    cache's bytes (head_dim a multiple of 32)."""
+    if dtype != KV_Q8_0:
+        return head_dim
+    if head_dim % Q8_0_VALUES:
+        raise ValueError(f"a q8_0 KV cache needs head_dim a multiple of 32, got {head_dim}")
+    return head_dim // Q8_0_VALUES * Q8_0_BYTES
 
 
 def paged_attention_decode(
@@ -39,10 +52,12 @@ def paged_attention_decode(
     """Attention of one new query token per sequence over its paged KV cache; returns out.
 
     q [num_seqs, num_q_heads, head_dim]; k_cache, v_cache [num_blocks, num_kv_heads, block_size,
-    head_dim] of one dtype, float32, bfloat16 or float16; q (and out) float32 or of the cache's
-    dtype: float32 q with a bfloat16 or float16 cache (float32 activations over a 16-bit cache)
-    on the torch and c backends, q of the cache's dtype on every backend. The cache is widened
-    to float32 as it is read, the softmax and sums are float32, out is rounded to q's dtype.
+    head_dim] of one dtype, float32, bfloat16 or float16, or [..., head_dim / 32 * 34] uint8 of
+    q8_0 rows (KV_Q8_0); q (and out) float32 or of the cache's dtype: float32 q with a bfloat16
+    or float16 cache (float32 activations over a 16-bit cache) on the torch and c backends, q of
+    the cache's dtype on every backend; float32 or bfloat16 q with a q8_0 cache on the torch and
+    c backends. The cache is widened (de-quantized) to float32 as it is read, the softmax and
+    sums are float32, out is rounded to q's dtype.
     block_tables [num_seqs, max_blocks_per_seq] int32, of which only the first
     ceil(context_lens[i] / block_size) entries of row i are read; context_lens [num_seqs] int32,
     tokens attended to, the current one included.
@@ -87,12 +102,12 @@ def paged_attention_prefill(
     q [num_tokens, num_q_heads, head_dim], float32 or bfloat16: the queries at positions
     context_len - num_tokens ... context_len - 1, each attending to the positions up to its own.
     Keys and values are read from k_cache, v_cache [num_blocks, num_kv_heads, block_size,
-    head_dim] (float32, bfloat16 or float16, whatever q's dtype: the softmax is in float32), which
-    must already hold the chunk's own rows (store_kv first); block_table [n] int32, of which the
-    first ceil(context_len / block_size) entries are read. window > 0: position p sees (p -
-    window, p] only. out: like q. backend: "auto" (c for CPU tensors; torch, the gather-and-mask
-    reference, for CUDA tensors, where the model's prefill uses torch SDPA instead), "c" or
-    "torch".
+    head_dim] (float32, bfloat16 or float16, or q8_0 rows as in paged_attention_decode, whatever
+    q's dtype: the softmax is in float32), which must already hold the chunk's own rows (store_kv
+    first); block_table [n] int32, of which the first ceil(context_len / block_size) entries are
+    read. window > 0: position p sees (p - window, p] only. out: like q. backend: "auto" (c for
+    CPU tensors; torch, the gather-and-mask reference, for CUDA tensors, where the model's prefill
+    uses torch SDPA instead), "c" or "torch".
     """
     _check_prefill(q, k_cache, v_cache, block_table, context_len, scale, out, window)
     if out is None:
@@ -122,10 +137,11 @@ def store_kv(
     """Writes key[i] and value[i] ([num_tokens, num_kv_heads, head_dim]) into cache slot
     slot_mapping[i] = block * block_size + offset; a negative slot is skipped.
 
-    k_cache and v_cache of one dtype, float32, bfloat16 or float16; key and value of one dtype,
-    float32 or the cache's: float32 keys are rounded to a 16-bit cache as stored (to nearest
-    even, as key.to(k_cache.dtype)) on the torch and c backends; keys of the cache's dtype are
-    copied on every backend."""
+    k_cache and v_cache of one dtype, float32, bfloat16 or float16, or q8_0 rows (KV_Q8_0);
+    key and value of one dtype, float32 or the cache's: float32 keys are rounded to a 16-bit
+    cache as stored (to nearest even, as key.to(k_cache.dtype)) on the torch and c backends;
+    keys of the cache's dtype are copied on every backend. A q8_0 cache takes float32 or
+    bfloat16 keys, quantized as stored (torch_ref.q8_0_quantize), on the torch and c backends."""
     _check_store(key, value, k_cache, v_cache, slot_mapping)
     impl = _backend(backend, key.device)
     _check_backend_dtypes(impl, "key", key, k_cache)
@@ -323,6 +339,8 @@ def _check_device(device: torch.device, **tensors: torch.Tensor) -> None:
 
 
 def _check_cache(k: object, v: object) -> tuple[int, ...]:
+    """The cache's [num_blocks, num_kv_heads, block_size, head_dim] (a q8_0 cache's head_dim from
+    its bytes)."""
     k_cache = _check_tensor("k_cache", k, _CACHE_LAYOUT)
     v_cache = _check_tensor("v_cache", v, _CACHE_LAYOUT)
     _check_dtype("k_cache", k_cache, CACHE_DTYPES)
@@ -337,12 +355,21 @@ def _check_cache(k: object, v: object) -> tuple[int, ...]:
     ):
         if size < 1:
             raise ValueError(f"k_cache {axis} must be at least 1, got {size}")
-    return tuple(k_cache.shape)
+    if k_cache.dtype != KV_Q8_0:
+        return tuple(k_cache.shape)
+    if k_cache.shape[3] % Q8_0_BYTES:
+        raise ValueError(
+            f"a q8_0 k_cache's rows must be whole blocks of {Q8_0_BYTES} bytes, got "
+            f"{k_cache.shape[3]}"
+        )
+    return (*k_cache.shape[:3], k_cache.shape[3] // Q8_0_BYTES * Q8_0_VALUES)
 
 
 def _check_activation_dtype(name: str, t: torch.Tensor, k_cache: torch.Tensor) -> None:
-    """q or key: float32, or of the cache's dtype."""
-    if t.dtype not in (torch.float32, k_cache.dtype):
+    """q or key: float32, or of the cache's dtype; float32 or bfloat16 with a q8_0 cache."""
+    if k_cache.dtype == KV_Q8_0:
+        _check_dtype(name, t, PREFILL_Q_DTYPES)
+    elif t.dtype not in (torch.float32, k_cache.dtype):
         raise TypeError(
             f"{name} dtype {t.dtype} must be float32 or the kv cache dtype {k_cache.dtype}"
         )
@@ -351,7 +378,12 @@ def _check_activation_dtype(name: str, t: torch.Tensor, k_cache: torch.Tensor) -
 def _check_backend_dtypes(
     impl: ModuleType, name: str, t: torch.Tensor, k_cache: torch.Tensor
 ) -> None:
-    """Only the torch and C backends take float32 q or key with a 16-bit cache."""
+    """Only the torch and C backends take float32 q or key with a 16-bit cache, and a q8_0
+    cache."""
+    if k_cache.dtype == KV_Q8_0 and impl not in (torch_ref, c_backend):
+        raise TypeError(
+            "backend='triton' does not read a q8_0 kv cache (the torch and c backends do)"
+        )
     if t.dtype != k_cache.dtype and impl not in (torch_ref, c_backend):
         raise TypeError(
             f"backend='triton' needs {name} of the kv cache dtype {k_cache.dtype}, got {name} "

@@ -34,8 +34,9 @@ def enabled() -> bool:
     return ENABLED
 
 
-# The dtype codes of the C module (enum ns_dtype in kernels/csrc/nanoserve.h).
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The dtype codes of the C module (enum ns_dtype in kernels/csrc/nanoserve.h); uint8 is a KV
+# cache's of q8_0 rows (torch_ref.KV_Q8_0).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
 # The most rows decode_layers takes where every matrix is in GGUF blocks (NS_STEP_ROWS).
 STEP_ROWS: int = _C.STEP_ROWS if _C is not None else 4
 # The most rows small_linear and decode_layers take (NS_GEMV_ROWS in kernels/csrc/nanoserve.h). The
@@ -57,7 +58,8 @@ def paged_attention_decode(
     out: torch.Tensor,
     window: int = 0,
 ) -> None:
-    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape  # (a q8_0 cache's rows are bytes)
+    head_dim = q.shape[2]
     # The C module checks context_lens and the used block_tables entries before reading the cache.
     _C.paged_attention_decode(
         out=out.data_ptr(),
@@ -91,7 +93,8 @@ def paged_attention_prefill(
     out: torch.Tensor,
     window: int = 0,
 ) -> None:
-    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    head_dim = q.shape[2]
     # The C module checks context_len and the used block_table entries before reading the cache.
     _C.paged_attention_prefill(
         out=out.data_ptr(),
@@ -122,7 +125,8 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    head_dim = key.shape[2]
     _C.store_kv(
         key=key.data_ptr(),
         value=value.data_ptr(),
@@ -134,7 +138,7 @@ def store_kv(
         head_dim=head_dim,
         block_size=block_size,
         num_blocks=num_blocks,
-        dtype_code=DTYPE_CODES[key.dtype],  # rounded to the cache's dtype as stored
+        dtype_code=DTYPE_CODES[key.dtype],  # rounded to the cache's dtype (or q8_0) as stored
         cache_dtype_code=DTYPE_CODES[k_cache.dtype],
         slots_are_int64=int(slot_mapping.dtype == torch.int64),
     )
@@ -215,6 +219,34 @@ def quant_linear(
         qtype=QTYPE_CODES[qtype],
         num_threads=torch.get_num_threads(),
         ldo=out.shape[1],
+    )
+
+
+def quant_experts(
+    outs: list[torch.Tensor],
+    datas: list[torch.Tensor],
+    qtype: str,
+    num_experts: int,
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    groups: torch.Tensor,
+) -> None:
+    """outs[i][p] = x[rows[p]] @ expert e's matrix of datas[i].T for each group (e, start, count)
+    and p in [start, start + count)."""
+    _C.quant_experts(
+        outs=tuple(out.data_ptr() for out in outs),
+        ws=tuple(data.data_ptr() for data in datas),
+        x=x.data_ptr(),
+        T=x.shape[0],
+        rows=0 if rows is None else rows.data_ptr(),
+        P=outs[0].shape[0],
+        groups=groups.data_ptr(),
+        G=groups.shape[0],
+        E=num_experts,
+        N=outs[0].shape[1],
+        K=x.shape[1],
+        qtype=QTYPE_CODES[qtype],
+        num_threads=torch.get_num_threads(),
     )
 
 
@@ -311,11 +343,11 @@ def layer_table(
     of the C step's struct layer_weights (kernels/csrc/decode_step.c): a layer's weights, as
     src/nanoserve/model/weights.py's LayerWeights names them, then k_cache and v_cache. Format 0:
     floats of the step's dtype (the caches: of cache_dtype, float32, bfloat16 or float16, which
-    is the step's dtype or takes float32 activations); else a QTYPE_CODES value, a matrix of
-    GGUF blocks (rows of blocks; qkv's rows are q's, k's and v's, gate_up's gate's and up's),
-    which needs a float32 h (its matmul rounds it to int16 per block, as
-    kernels.quant.quantized_linear). An opaque object, holding the pointers (not the tensors
-    behind them)."""
+    is the step's dtype or takes float32 activations, or uint8 rows of q8_0 under either); else
+    a QTYPE_CODES value, a matrix of GGUF blocks (rows of blocks; qkv's rows are q's, k's and
+    v's, gate_up's gate's and up's), which needs a float32 h (its matmul rounds it to int16 per
+    block, as kernels.quant.quantized_linear). An opaque object, holding the pointers (not the
+    tensors behind them)."""
     return _C.layer_table(layers=layers, cache_dtype_code=DTYPE_CODES[cache_dtype])
 
 

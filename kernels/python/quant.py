@@ -20,6 +20,7 @@ rows, M or the thread count; the instruction-set paths (cpu_isa()) differ by rou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,6 +215,52 @@ def quantized_linear(
     return out
 
 
+def expert_linear(
+    x: torch.Tensor,
+    weights: Sequence[QuantizedWeight],
+    num_experts: int,
+    groups: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """A mixture of experts' matmul, all chosen experts in one C call (llama.cpp's MUL_MAT_ID):
+    for each weight of `weights` (each the num_experts matrices [N, K] of a 3-D expert tensor,
+    stored as one matrix [num_experts * N, K] of the same format), out [P, N] float32 whose row p
+    is x[rows[p]] @ expert e's matrix.T for each group (e, start, count) of `groups` (int64
+    [G, 3]) and p in [start, start + count): bitwise quantized_linear(x[rows[start:start +
+    count]], e's rows). x [T, K] float32, contiguous, CPU, each of its rows quantized once;
+    rows int64 [P] (None: x's rows are the P pairs). Rows in no group are left unwritten."""
+    _check_tensor_2d("x", x, "[T, K]")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise TypeError(f"x must be a contiguous float32 CPU tensor, got {x.dtype} on {x.device}")
+    if not weights or len(weights) > 2 or not all(isinstance(w, QuantizedWeight) for w in weights):
+        raise TypeError("weights must be one or two QuantizedWeights")
+    first = weights[0]
+    if any(w.qtype != first.qtype or w.shape != first.shape for w in weights):
+        raise ValueError("weights must share one format and shape")
+    if num_experts < 1 or first.shape[0] % num_experts or first.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"weights of shape {list(first.shape)} are not {num_experts} experts' matrices of "
+            f"K = {x.shape[1]} (x's columns)"
+        )
+    for name, t, layout in (("groups", groups, "[G, 3]"), ("rows", rows, "[P]")):
+        if t is None:
+            continue
+        if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous int64 CPU tensor {layout}")
+    if groups.dim() != 2 or groups.shape[1] != 3:
+        raise ValueError(f"groups must be [G, 3], got {list(groups.shape)}")
+    _require_c()
+    pairs = x.shape[0] if rows is None else rows.shape[0]
+    outs = [
+        torch.empty((pairs, first.shape[0] // num_experts), dtype=torch.float32) for _ in weights
+    ]
+    if pairs and groups.shape[0]:
+        c_backend.quant_experts(
+            outs, [w.data for w in weights], first.qtype, num_experts, x, rows, groups
+        )
+    return outs
+
+
 def cpu_isa() -> str:
     """The instruction-set path the quantized kernels use: one of ISA_PATHS. Chosen at import,
     the best this CPU runs (AVX-512 needs F, BW and VL; AVX2 needs FMA and F16C too), capped by
@@ -228,6 +275,20 @@ def uses_vnni() -> bool:
     return bool(c_backend._C.quant_isa()[1])
 
 
+def uses_amx() -> bool:
+    """Whether the quantized GEMMs (M >= 16 rows) run on AMX-INT8 tiles: on the VNNI path, where
+    the CPU has AMX-INT8 and Linux grants the process its tiles, unless NANOSERVE_AMX=0 or
+    set_isa(amx=False). Bitwise the same outputs as VNNI's."""
+    _require_c()
+    return bool(c_backend._C.quant_amx()[0])
+
+
+def amx_supported() -> bool:
+    """Whether this CPU and OS run the AMX-INT8 GEMM (whatever NANOSERVE_AMX says)."""
+    _require_c()
+    return bool(c_backend._C.quant_amx()[1])
+
+
 def isa_supported(isa: str) -> bool:
     """Whether this CPU runs path `isa` (whatever NANOSERVE_ISA says)."""
     if isa not in ISA_PATHS:
@@ -236,14 +297,14 @@ def isa_supported(isa: str) -> bool:
     return ISA_PATHS.index(isa) <= ISA_PATHS.index(c_backend._C.cpu_quant_isa()[0])
 
 
-def set_isa(isa: str, vnni: bool = True) -> str:
+def set_isa(isa: str, vnni: bool = True, amx: bool = True) -> str:
     """Uses path `isa` (capped to what this CPU runs), with VNNI on the AVX-512 path if `vnni` and
-    the CPU has it; returns the path now in use. For tests and benchmarks: not while another
-    thread runs a quantized kernel."""
+    the CPU has it, and AMX-INT8 GEMMs with VNNI if `amx` and the CPU has it; returns the path now
+    in use. For tests and benchmarks: not while another thread runs a quantized kernel."""
     if isa not in ISA_PATHS:
         raise ValueError(f"isa must be one of {ISA_PATHS}, got {isa!r}")
     _require_c()
-    return str(c_backend._C.set_quant_isa(isa=isa, vnni=bool(vnni))[0])
+    return str(c_backend._C.set_quant_isa(isa=isa, vnni=bool(vnni), amx=bool(amx))[0])
 
 
 def _require_c() -> None:

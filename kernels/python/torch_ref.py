@@ -1,11 +1,50 @@
 """The torch backend: the readable reference (gather the blocks, softmax in float32).
 
 Runs on any device torch supports; batched over sequences by padding to the longest context, so it
-is a fair baseline for the benchmark rather than a Python loop.
+is a fair baseline for the benchmark rather than a Python loop. A q8_0 cache (uint8 rows of
+llama.cpp's Q8_0 blocks) is quantized as stored and widened as read, by the reference of its format
+(q8_0_quantize, q8_0_dequantize), which the C store and loads match bit for bit.
 """
 
 import torch
 import torch.nn.functional as F
+
+# A q8_0 cache row: head_dim / 32 blocks of an fp16 scale d and 32 int8 values q (value q d).
+Q8_0_VALUES, Q8_0_BYTES = 32, 34
+KV_Q8_0 = torch.uint8  # the dtype of a q8_0 cache's tensors, whose last axis is bytes
+
+
+def q8_0_quantize(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] floats (n a multiple of 32) as q8_0 rows [..., n / 32 * 34] uint8, as ggml's
+    quantize_row_q8_0_ref: per block of 32, d = max|x| / 127 (stored as fp16) and q = x * (1 / d)
+    (d before its fp16 rounding) rounded halves away from zero; d = 0 gives q = 0."""
+    blocks = x.float().unflatten(-1, (-1, Q8_0_VALUES))
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    scaled = blocks * torch.where(d != 0, 1.0 / d, 0.0)
+    # roundf's halves away from zero: torch.round takes them to even.
+    whole = scaled.trunc()
+    q = torch.where((scaled - whole).abs() == 0.5, whole + scaled.sign(), scaled.round())
+    scale_bytes = d.to(torch.float16).view(torch.uint8)  # [..., blocks, 2]
+    return torch.cat([scale_bytes, q.to(torch.int8).view(torch.uint8)], -1).flatten(-2)
+
+
+def q8_0_dequantize(rows: torch.Tensor) -> torch.Tensor:
+    """q8_0 rows [..., n / 32 * 34] uint8 as float32 [..., n]: q d, exactly as the C loads."""
+    blocks = rows.unflatten(-1, (-1, Q8_0_BYTES))
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [..., blocks, 1]
+    q = blocks[..., 2:].contiguous().view(torch.int8).float()
+    return (q * d).flatten(-2)
+
+
+def widen(rows: torch.Tensor) -> torch.Tensor:
+    """Cache rows as float32: a float cache's converted, a q8_0 cache's de-quantized."""
+    return q8_0_dequantize(rows) if rows.dtype == KV_Q8_0 else rows.float()
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values [..., head_dim] as a cache of cache_dtype stores them (floats rounded to
+    nearest even, as .to(); q8_0 quantized)."""
+    return q8_0_quantize(x) if cache_dtype == KV_Q8_0 else x.to(cache_dtype)
 
 
 def paged_attention_decode(
@@ -29,12 +68,12 @@ def paged_attention_decode(
     used = torch.arange(num_blocks, device=q.device) * block_size < lens[:, None]
     tables = torch.where(used, block_tables[:, :num_blocks].long(), 0)
 
-    # The cache (of q's dtype, or 16-bit under float32 q) and q are widened to float32; out's
-    # copy_ rounds the result to q's dtype.
+    # The cache (of q's dtype, or 16-bit or q8_0 under float32 q) and q are widened to float32;
+    # out's copy_ rounds the result to q's dtype.
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        blocks = cache[tables]  # [seqs, blocks, kv_heads, block_size, head_dim]
-        rows = blocks.transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, head_dim)
-        return rows[:, :, :max_ctx].float()  # [seqs, kv_heads, max_ctx, head_dim]
+        blocks = cache[tables]  # [seqs, blocks, kv_heads, block_size, row width]
+        rows = blocks.transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, cache.shape[3])
+        return widen(rows[:, :, :max_ctx])  # [seqs, kv_heads, max_ctx, head_dim]
 
     k, v = gather(k_cache), gather(v_cache)
     group = num_q_heads // num_kv_heads
@@ -66,8 +105,8 @@ def paged_attention_prefill(
     blocks = block_table[: -(-context_len // block_size)].long()
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [kv_heads, context_len, head_dim]
-        rows = cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
-        return rows[:, :context_len].float()
+        rows = cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, cache.shape[3])
+        return widen(rows[:, :context_len])
 
     k, v = gather(k_cache), gather(v_cache)
     group = num_q_heads // num_kv_heads
@@ -95,9 +134,10 @@ def store_kv(
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     # Advanced indices around a slice: the indexed view is [tokens, kv_heads, head_dim], like key.
-    # float32 keys for a 16-bit cache are rounded to it here (the C store rounds alike).
-    k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value[keep].to(v_cache.dtype)
+    # float32 keys for a 16-bit cache are rounded to it here, for a q8_0 one quantized (the C
+    # store rounds alike).
+    k_cache[blocks, :, offsets] = as_cached(key[keep], k_cache.dtype)
+    v_cache[blocks, :, offsets] = as_cached(value[keep], v_cache.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:

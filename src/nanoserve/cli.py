@@ -253,24 +253,31 @@ def _name(path: Path) -> str:
 
 
 def _check_config(path: Path) -> None:
-    """A checkpoint's config.json, checked before torch loads (json only)."""
-    from nanoserve.model.config import CheckpointError, ModelConfig
+    """A checkpoint's config.json, checked before torch loads (json only): a decoder's, or a
+    BERT encoder's."""
+    from nanoserve.model.bert_config import check_checkpoint_config
+    from nanoserve.model.config import CheckpointError
 
     try:
-        ModelConfig.from_dir(path)
+        check_checkpoint_config(path)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
 
 
-def _engine(model: Path, config: EngineConfig) -> Any:
+def _engine(model: Path, config: EngineConfig, pooling: bool = False) -> Any:
+    """A pooling engine (embeddings, a cross-encoder) where `pooling` allows, else an Engine."""
     start = time.monotonic()
-    from nanoserve.engine import Engine, NotEnoughMemory
+    from nanoserve.engine import Engine, PoolingEngine, runs_pooling
 
     log.info("torch imported in %.1f s; reading the weights", time.monotonic() - start)
     _check_cuda(config)
     try:
+        if runs_pooling(model, config):
+            if not pooling:
+                raise UsageError(f"{model} is an embedding model: serve it (nanoserve serve)")
+            return PoolingEngine(model, config)
         return Engine(model, config)
-    except NotEnoughMemory as e:  # the KV cache asked for is more than this machine has left
+    except SettingError as e:  # --runner/--convert vs the model; NotEnoughMemory (a KV cache)
         raise _usage_error(e, EngineConfig) from None
     except (ValueError, FileNotFoundError) as e:  # a model nanoserve cannot run: one line
         raise UsageError(str(e)) from None
@@ -316,7 +323,7 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     log.info("loading %s from %s, to serve on %s:%d", name, model, host, port)
     start = time.monotonic()
-    engine = _engine(model, engine_config)
+    engine = _engine(model, engine_config, pooling=True)
     try:
         return _run_server(engine, name, aliases, server_config, sock, time.monotonic() - start)
     finally:
@@ -390,20 +397,13 @@ def _run_server(
 
     from nanoserve.server.app import create_app
     from nanoserve.server.bridge import Serving
-    from nanoserve.server.serve import serve
+    from nanoserve.server.serve import log_loaded, serve
 
     serving = Serving(engine, max_queue=config.max_queue)
     app = create_app(
         serving, name, config.api_key, config.max_body_bytes, aliases, config.responses_store_size
     )
-    log.info(
-        "model %r loaded in %.1f s (%s): %d KV blocks of %d tokens (%.2f GiB, %s), context %d "
-        "tokens", name, load_s, engine.config.dtype, engine.num_blocks, engine.config.block_size,
-        engine.kv_cache_bytes / 2**30, engine.config.kv_cache_dtype, engine.max_model_len,
-    )  # fmt: skip
-    if engine.worker_pids:
-        pids = ", ".join(map(str, engine.worker_pids))
-        log.info("tensor parallel: %d ranks, worker pids %s", len(engine.worker_pids) + 1, pids)
+    log_loaded(engine, name, load_s)
     return trio.run(serve, app, serving, sock, config.graceful_timeout)
 
 

@@ -133,6 +133,8 @@ def chat_template_source(value: str) -> str:
     return value
 
 
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
 SPEC_METHODS = ("ngram", "draft_model")
 NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 
@@ -219,8 +221,9 @@ class EngineConfig:
     kv_cache_dtype: str = setting(
         "auto", "of the KV cache: auto is the activations' dtype, but float16 where a float32 "
         "model's matrices are GGUF blocks (as llama.cpp's cache); a 16-bit cache holds twice the "
-        "tokens of a float32 one in the same memory (CUDA: the activations' dtype only)",
-        choices=(*DTYPES, "auto"),
+        "tokens of a float32 one in the same memory, q8_0 (llama.cpp's -ctk/-ctv q8_0 blocks: 34 "
+        "bytes per 32 values; CPU, head_dim a multiple of 32) 1.88x a 16-bit one (CUDA: the "
+        "activations' dtype only)", choices=(*DTYPES, "q8_0", "auto"),
     )  # fmt: skip
     quantization: str = setting(
         "auto", "auto: a GGUF's matrices stay in their own formats where the kernels take them "
@@ -294,6 +297,16 @@ class EngineConfig:
         True, "CUDA: replay decode steps from captured graphs (not with TP > 1)", limit=BOOLEAN,
         cli=False,
     )  # fmt: skip
+    runner: str = setting(
+        "auto", "what the model serves, as vLLM's --runner: generate (completions, chat) or "
+        "pooling (/v1/embeddings; /v1/rerank and /v1/score for a cross-encoder); auto: pooling "
+        "for a BERT encoder, else generate", choices=RUNNERS,
+    )  # fmt: skip
+    convert: str = setting(
+        "auto", "as vLLM's --convert: embed serves a decoder's final hidden states as "
+        "embeddings (last-token pooling, normalized, unless its sentence-transformers files say "
+        "otherwise; implies --runner pooling)", choices=CONVERTS,
+    )  # fmt: skip
     speculative_config: SpeculativeConfig | None = setting(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
         '"prompt_lookup_max": N, "prompt_lookup_min": M}, or a draft model: {"model": PATH, '
@@ -321,6 +334,8 @@ class EngineConfig:
 
         if self.kv_cache_dtype == "auto":
             raise ValueError("kv_cache_dtype 'auto' is resolved with the model (resolve_dtype)")
+        if self.kv_cache_dtype == "q8_0":  # rows of Q8_0 blocks' bytes (nanoserve.kernels.KV_Q8_0)
+            return torch.uint8
         return getattr(torch, self.kv_cache_dtype)
 
 

@@ -84,6 +84,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A pair's ids and token types, as the tokenizer's post-processor joins pairs (BERT's
+        [CLS] first [SEP] second [SEP], types 0 then 1)."""
+        encoding = self._tok.encode(first, second)
+        return encoding.ids, encoding.type_ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 import weakref
 from collections.abc import Sequence
 
 import torch
+
+from nanoserve.kernels import cache_row_width
 
 _FRESH: set[int] = set()  # storages of allocate_cache's mappings not yet taken: all zeros
 
@@ -33,8 +36,10 @@ def slot(block_table: Sequence[int], position: int, block_size: int) -> int:
 def block_bytes(
     num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> int:
-    """Bytes one block takes across all layers, keys and values."""
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.itemsize
+    """Bytes one block takes across all layers, keys and values (a q8_0 cache: 34 bytes per 32
+    values)."""
+    row = cache_row_width(head_dim, dtype) * dtype.itemsize
+    return 2 * num_layers * num_kv_heads * block_size * row
 
 
 def allocate_cache(
@@ -46,9 +51,10 @@ def allocate_cache(
     dtype: torch.dtype,
     device: str | torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, keys and values shaped [num_blocks, num_kv_heads, block_size, head_dim]; on a
-    CPU, views of one anonymous mapping."""
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    """Per layer, keys and values shaped [num_blocks, num_kv_heads, block_size, head_dim] (a q8_0
+    cache's last axis: bytes, nanoserve.kernels.cache_row_width); on a CPU, views of one
+    anonymous mapping."""
+    shape = (num_blocks, num_kv_heads, block_size, cache_row_width(head_dim, dtype))
     # Not written yet: the engine checks that the pool fits before take_cache writes it.
     if torch.device(device).type == "cpu" and hasattr(mmap, "MAP_ANONYMOUS"):
         pool = _mapped((2 * num_layers, *shape), dtype)
@@ -78,11 +84,18 @@ def take_cache(caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         values.zero_()
 
 
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+
+
 def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An unwritten tensor filling an anonymous private mapping of its own (which its storage
     holds while any view of it lives)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Not charged against the commit limit when mapped: the engine checks that the pool fits in
+    # what may be taken before it writes a page, and that check, not the kernel's heuristic
+    # refusal of a mapping larger than the machine (an OSError), is what names the setting.
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=flags)
     raw = torch.frombuffer(pages, dtype=torch.uint8)
     _FRESH.add(raw.data_ptr())
     weakref.finalize(pages, _FRESH.discard, raw.data_ptr())

@@ -6,10 +6,13 @@ every cgroup that holds the process (its own and its ancestors', v1 or v2, found
 the inactive page cache that the kernel reclaims before it kills anything (what Docker and the
 kubelet count too). NANOSERVE_MEMORY_LIMIT_BYTES stands in for all of it (env.py).
 
-The engine asks once, after the weights are loaded and before the KV pool is written
-(engine.py): the pool (every local rank's, and a draft model's) and a working margin for the
-steps' activations must fit in what may be taken, or the start is refused with the largest pool
-that would fit. Reads files only: no torch.
+Before the weights load, a CPU model whose tensors would not fit in what may be taken is refused
+(`check_weights_fit`, from engine/model_runner.py; for the tensor-parallel ranks spawned on
+this machine, which each read the whole checkpoint at once, from parallel/tp.py), so that a
+file too large is never half loaded and killed. The engine asks again after the weights are
+loaded and before the KV pool is written (engine.py): the pool (every local rank's, and a draft
+model's) and a working margin for the steps' activations must fit in what may be taken, or the
+start is refused with the largest pool that would fit. Reads files only: no torch.
 """
 
 from __future__ import annotations
@@ -40,6 +43,23 @@ V1_UNLIMITED = 2**62
 class NotEnoughMemory(SettingError):
     """The KV cache asked for does not fit, beside the working margin, in what this process may
     still take: names the setting to lower and the largest value that fits."""
+
+
+class ModelTooLarge(ValueError):
+    """A checkpoint whose weights do not fit in what this process may take: names the file, the
+    bytes its weights need and the bytes free."""
+
+
+def check_weights_fit(path: Path, needed: int, room: Headroom, ranks: int = 1) -> None:
+    """Raise ModelTooLarge unless `needed` bytes of weights (those of `ranks` tensor-parallel
+    ranks on this machine, each reading the whole checkpoint) fit in `room`."""
+    if needed > room.bytes:
+        whose = f" ({ranks} ranks on this machine, each reading it whole)" if ranks > 1 else ""
+        raise ModelTooLarge(
+            f"{path.name}: its weights need {needed} bytes ({gib(needed)}){whose} in memory, but "
+            f"{room.bytes} bytes ({gib(room.bytes)}) may be taken ({room.source}): refused "
+            "before loading"
+        )
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from nanoserve.config import DEFAULT_KV_CACHE_GB, EngineConfig
 from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.inputs import Chunk, PromptScoring, StepInputs, pack
 from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv, take_cache
+from nanoserve.engine.memory import check_weights_fit, headroom
 from nanoserve.engine.sampling import Logprob, token_logprobs
 from nanoserve.model import (
     SINGLE,
@@ -33,6 +34,7 @@ from nanoserve.model import (
     held_bytes,
     invariant_rows,
     load_model,
+    weight_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,9 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         self._baseline = torch.cuda.memory_allocated(self.device) if on_cuda else 0
         positions = config.max_model_len or mc.max_position_embeddings
+        if self.device.type == "cpu":  # host memory: refused before a byte is read
+            check_weights_fit(checkpoint.path, weight_bytes(checkpoint, config, parallel),
+                              headroom())  # fmt: skip
         self.model = load_model(checkpoint, config, self.device, parallel, positions)
         self.model_bytes = held_bytes(self.model)  # weights, packed copies, RoPE tables
         self._positions = positions
@@ -80,7 +85,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if on_cuda and parallel.size == 1:
             self.graphs = DecodeGraphs(config, self.max_model_len, self.device)
-            if config.cuda_graphs:
+            if config.cuda_graphs and mc.moe:  # its grouping by expert reads counts on the host
+                log.info("cuda_graphs: off for a mixture of experts (decode steps run eagerly)")
+            elif config.cuda_graphs:
                 self._capture(self.graphs)
 
     def prepare(self, batch: Sequence[Chunk]) -> StepInputs:

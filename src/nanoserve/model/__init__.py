@@ -12,6 +12,12 @@ from typing import Any
 
 _FACE = {  # name: the module of this package that defines it
     "AttentionMetadata": "attention",
+    "Bert": "bert",
+    "is_encoder": "bert_config",
+    "DecoderEmbeddingCheckpoint": "decoder_embedding",
+    "Pooling": "pooling",
+    "pool": "pooling",
+    "read_pooling": "pooling",
     "PrefillChunk": "attention",
     "Checkpoint": "checkpoint",
     "open_checkpoint": "checkpoint",
@@ -25,6 +31,7 @@ _FACE = {  # name: the module of this package that defines it
     "invariant_rows": "load",
     "load_model": "load",
     "resolve_dtype": "load",
+    "weight_bytes": "load",
     "SINGLE": "parallel",
     "Parallel": "parallel",
     "check_divisible": "parallel",

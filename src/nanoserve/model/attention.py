@@ -4,7 +4,7 @@ A forward step packs decode tokens (one per sequence) first, then prefill chunks
 values are written to their cache slots; decode attention goes through the paged kernel API
 (`nanoserve.kernels`), and so does prefill attention on the CPU (the C kernel, tiled over the
 cache); elsewhere (CUDA, or the C kernels switched off) prefill takes torch SDPA over the
-sequence's gathered blocks.
+sequence's gathered blocks (a q8_0 cache's de-quantized by the kernels' reference).
 A sliding-window layer (window w > 0) lets the token at position i see positions (i - w, i], as
 transformers' sliding-window mask has it.
 Owns nothing: `AttentionMetadata` is built fresh for every step (by the engine's input packer).
@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import c_backend, paged_attention_decode, paged_attention_prefill, store_kv
+from nanoserve.kernels import (
+    KV_Q8_0,
+    c_backend,
+    paged_attention_decode,
+    paged_attention_prefill,
+    q8_0_dequantize,
+    q8_0_quantize,
+    store_kv,
+)
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,8 @@ def _prefill(
         # the cache holds them (what a later chunk or decode step reads).
         keys, values, mask = _as_cached(k, k_cache), _as_cached(v, v_cache), None
     else:
-        keys = _gather(k_cache, chunk).to(q.dtype)
-        values = _gather(v_cache, chunk).to(q.dtype)
+        keys = _widen(_gather(k_cache, chunk), q.dtype)
+        values = _widen(_gather(v_cache, chunk), q.dtype)
     if cached or (window and chunk.length > window):
         rows = torch.arange(chunk.length, device=q.device).unsqueeze(1) + cached
         cols = torch.arange(chunk.context_len, device=q.device).unsqueeze(0)
@@ -120,14 +128,21 @@ def _prefill(
 
 def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Fresh keys or values [tokens, kv_heads, head_dim] as [kv_heads, tokens, head_dim], rounded
-    to the cache's dtype and back."""
-    if cache.dtype != x.dtype:
+    to the cache's dtype (or quantized to q8_0) and back."""
+    if cache.dtype == KV_Q8_0:
+        x = q8_0_dequantize(q8_0_quantize(x)).to(x.dtype)
+    elif cache.dtype != x.dtype:
         x = x.to(cache.dtype).to(x.dtype)
     return x.transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-    """A sequence's first context_len cached rows as [num_kv_heads, context_len, head_dim]."""
+    """A sequence's first context_len cached rows as [num_kv_heads, context_len, row width]."""
     blocks = cache[chunk.block_table.long()]  # [n, kv_heads, block_size, head_dim]
     rows = blocks.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])
     return rows[:, : chunk.context_len]
+
+
+def _widen(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cached rows as dtype (a q8_0 cache's de-quantized)."""
+    return (q8_0_dequantize(rows) if rows.dtype == KV_Q8_0 else rows).to(dtype)

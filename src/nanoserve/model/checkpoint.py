@@ -11,12 +11,13 @@ from typing import Protocol
 import torch
 
 from nanoserve.model.config import CheckpointError, ModelConfig
-from nanoserve.model.loader import check_tensors, read_checkpoint
+from nanoserve.model.loader import check_tensors, read_checkpoint, tensor_elements
 from nanoserve.model.quantized import Weight
 from nanoserve.tokenizer import Tokenizer
 
 
 class Checkpoint(Protocol):
+    path: Path
     config: ModelConfig
 
     def tokenizer(self) -> Tokenizer: ...
@@ -30,6 +31,10 @@ class Checkpoint(Protocol):
     ) -> dict[str, Weight]:
         """Every tensor under its Hugging Face name; with keep_blocks, a matrix stored in a block
         format the CPU kernels take stays in its blocks."""
+        ...
+
+    def weight_bytes(self, dtype: torch.dtype, keep_blocks: bool = False) -> int:
+        """The bytes read_tensors' tensors will hold (from the files' headers alone)."""
         ...
 
 
@@ -59,6 +64,9 @@ class HFCheckpoint:
         self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
     ) -> dict[str, Weight]:
         return dict(read_checkpoint(self.path, dtype, device))  # stored as floats
+
+    def weight_bytes(self, dtype: torch.dtype, keep_blocks: bool = False) -> int:
+        return tensor_elements(self.path) * dtype.itemsize
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

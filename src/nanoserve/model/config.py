@@ -16,6 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from nanoserve.model.config_fields import as_ids, flag, positive_int, positive_number
+from nanoserve.model.config_moe import moe_fields
+
 # architectures entry -> model_type: the families the one decoder runs.
 FAMILIES = {
     "LlamaForCausalLM": "llama",
@@ -23,8 +26,16 @@ FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    # Mixtures of experts: the decoder's attention (Mistral's; Qwen3's), a sparse MoE block in
+    # place of every layer's MLP (model/moe.py).
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+# The bare decoders embedding checkpoints are saved from (Qwen3-Embedding): their causal LM's
+# computation up to the final norm (model/decoder_embedding.py).
+BARE_DECODERS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+                 "Qwen3Model": "Qwen3ForCausalLM"}  # fmt: skip
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
@@ -77,6 +88,26 @@ class ModelConfig:
     # there is one (Gemma 3), the others by rope.
     layer_windows: tuple[int, ...] = ()
     local_rope: RopeConfig | None = None
+    # A mixture of experts (0 experts: a dense MLP): every layer's MLP is `num_experts` SwiGLU
+    # experts of `expert_size`, of which a router picks `experts_per_token` per token, their
+    # weights renormalized to sum to 1 where `norm_topk_prob` (model/moe.py).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk_prob: bool = False
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def dense(self) -> bool:
+        return self.num_experts == 0
+
+    @property
+    def mixtral_names(self) -> bool:
+        """A Hugging Face Mixtral checkpoint names the MoE block `block_sparse_moe` (w1, w2, w3)."""
+        return self.family == "mixtral"
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -102,39 +133,41 @@ class ModelConfig:
         _check_refused(d, family)
         if family == "gemma3_text":
             return _gemma3(cls, d)
-        hidden, num_heads = _positive_int(d, "hidden_size"), _positive_int(d, "num_attention_heads")
-        num_kv_heads = _positive_int(d, "num_key_value_heads", num_heads)
-        attention_bias = family != "qwen2" and _bool(d, "attention_bias", False)
+        hidden, num_heads = positive_int(d, "hidden_size"), positive_int(d, "num_attention_heads")
+        num_kv_heads = positive_int(d, "num_key_value_heads", num_heads)
+        attention_bias = family != "qwen2" and flag(d, "attention_bias", False)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
         head_dim_default = 128 if family == "qwen3" else None  # Qwen3Config's default
+        moe = moe_fields(d, family)
         if d.get("head_dim") is None and head_dim_default is None and hidden % num_heads:
             raise ValueError(
                 f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({num_heads}) "
                 "when head_dim is not given"
             )
         return cls(
-            vocab_size=_positive_int(d, "vocab_size"),
+            vocab_size=positive_int(d, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_positive_int(d, "intermediate_size"),
-            num_layers=_positive_int(d, "num_hidden_layers"),
+            intermediate_size=positive_int(d, "intermediate_size"),
+            num_layers=positive_int(d, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=_positive_int(d, "head_dim", head_dim_default or hidden // num_heads),
-            rms_norm_eps=_positive_number(d, "rms_norm_eps", 1e-6),
-            max_position_embeddings=_positive_int(d, "max_position_embeddings", 2048),
+            head_dim=positive_int(d, "head_dim", head_dim_default or hidden // num_heads),
+            rms_norm_eps=positive_number(d, "rms_norm_eps", 1e-6),
+            max_position_embeddings=positive_int(d, "max_position_embeddings", 2048),
             rope=_rope_config(d),
-            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
-            eos_token_ids=tuple(_as_ids(d.get("eos_token_id"))),
+            tie_word_embeddings=flag(d, "tie_word_embeddings", False),
+            eos_token_ids=tuple(as_ids(d.get("eos_token_id"))),
             family=family,
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            mlp_bias=family == "llama" and _bool(d, "mlp_bias", False),
-            qk_norm=family == "qwen3",
+            mlp_bias=family == "llama" and flag(d, "mlp_bias", False),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             layer_windows=_layer_windows(d, family),
+            **moe,
         )
 
 
@@ -159,7 +192,7 @@ def _generation_eos(file: Path) -> list[int]:
         return []
     generation = read_json(file)
     try:
-        return _as_ids(generation.get("eos_token_id"))
+        return as_ids(generation.get("eos_token_id"))
     except ValueError as e:
         raise CheckpointError(f"{file}: {e}") from None
 
@@ -226,31 +259,31 @@ def _gemma3(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     layer i is sliding unless (i + 1) is a multiple of sliding_window_pattern (6) where
     layer_types is absent; the global layers' RoPE from rope_theta (1e6) and rope_scaling, the
     sliding ones' from rope_local_base_freq (1e4), or both from rope_parameters' sections."""
-    hidden, heads = _positive_int(d, "hidden_size"), _positive_int(d, "num_attention_heads")
-    kv_heads = _positive_int(d, "num_key_value_heads", heads)
-    layers = _positive_int(d, "num_hidden_layers")
+    hidden, heads = positive_int(d, "hidden_size"), positive_int(d, "num_attention_heads")
+    kv_heads = positive_int(d, "num_key_value_heads", heads)
+    layers = positive_int(d, "num_hidden_layers")
     if heads % kv_heads:
         raise ValueError(
             f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
     windows = _gemma3_windows(d, layers)
     rope, local_rope = _gemma3_ropes(d)
-    attention_bias = _bool(d, "attention_bias", False)
+    attention_bias = flag(d, "attention_bias", False)
     cap = d.get("final_logit_softcapping")
-    cap = None if cap is None else _positive_number(d, "final_logit_softcapping")
+    cap = None if cap is None else positive_number(d, "final_logit_softcapping")
     return cls(
-        vocab_size=_positive_int(d, "vocab_size"),
+        vocab_size=positive_int(d, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_positive_int(d, "intermediate_size"),
+        intermediate_size=positive_int(d, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=_positive_int(d, "head_dim", 256),
-        rms_norm_eps=_positive_number(d, "rms_norm_eps", 1e-6),
-        max_position_embeddings=_positive_int(d, "max_position_embeddings", 131072),
+        head_dim=positive_int(d, "head_dim", 256),
+        rms_norm_eps=positive_number(d, "rms_norm_eps", 1e-6),
+        max_position_embeddings=positive_int(d, "max_position_embeddings", 131072),
         rope=rope,
-        tie_word_embeddings=_bool(d, "tie_word_embeddings", True),
-        eos_token_ids=tuple(_as_ids(d.get("eos_token_id"))),
+        tie_word_embeddings=flag(d, "tie_word_embeddings", True),
+        eos_token_ids=tuple(as_ids(d.get("eos_token_id"))),
         family="gemma3_text",
         qkv_bias=attention_bias,
         o_bias=attention_bias,
@@ -259,7 +292,7 @@ def _gemma3(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         embed_scale=True,
         activation="gelu_pytorch_tanh",
         sandwich_norms=True,
-        attn_scale=_positive_number(d, "query_pre_attn_scalar", 256) ** -0.5,
+        attn_scale=positive_number(d, "query_pre_attn_scalar", 256) ** -0.5,
         final_logit_softcapping=cap,
         layer_windows=windows if any(windows) else (),
         local_rope=local_rope,
@@ -269,11 +302,11 @@ def _gemma3(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
 def _gemma3_windows(d: dict[str, Any], layers: int) -> tuple[int, ...]:
     """Each layer's sliding window (0: a global layer), from layer_types or, where it is absent,
     from sliding_window_pattern (every pattern-th layer is global)."""
-    pattern = _positive_int(d, "sliding_window_pattern", 6)
+    pattern = positive_int(d, "sliding_window_pattern", 6)
     types = d.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     ]
-    window = _positive_int(d, "sliding_window", 4096)
+    window = positive_int(d, "sliding_window", 4096)
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
@@ -305,9 +338,11 @@ def _layer_windows(d: dict[str, Any], family: str) -> tuple[int, ...]:
     from layer max_window_layers on when use_sliding_window (as transformers reads them)."""
     if d.get("sliding_window") is None:
         return ()
-    window, layers = _positive_int(d, "sliding_window"), _positive_int(d, "num_hidden_layers")
-    if family == "mistral":
+    window, layers = positive_int(d, "sliding_window"), positive_int(d, "num_hidden_layers")
+    if family in ("mistral", "mixtral"):
         windowed = [True] * layers
+    elif family == "qwen3_moe":  # transformers keeps its window only with use_sliding_window
+        windowed = [bool(d.get("use_sliding_window"))] * layers
     elif d.get("layer_types"):
         windowed = [t == "sliding_attention" for t in d["layer_types"]]
     elif d.get("use_sliding_window"):
@@ -317,39 +352,6 @@ def _layer_windows(d: dict[str, Any], family: str) -> tuple[int, ...]:
     return tuple(window if w else 0 for w in windowed) if any(windowed) else ()
 
 
-def _positive_int(d: dict[str, Any], key: str, default: int | None = None) -> int:
-    """d[key] (or `default` where it is absent or null) as an integer > 0."""
-    value = _value(d, key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{key} must be an integer > 0, got {value!r}")
-    return value
-
-
-def _positive_number(
-    d: dict[str, Any], key: str, default: float | None = None, section: str = ""
-) -> float:
-    value = _value(d, key, default, section)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{section}{key} must be a number > 0, got {value!r}")
-    return float(value)
-
-
-def _value(d: dict[str, Any], key: str, default: Any, section: str = "") -> Any:
-    value = d.get(key)
-    if value is None:
-        if default is None:
-            raise ValueError(f"{section}{key} is missing")
-        return default
-    return value
-
-
-def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
-    value = d.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value
-
-
 def _rope_config(d: dict[str, Any]) -> RopeConfig:
     """`rope_parameters` (newer layout) or `rope_theta` + `rope_scaling` (Llama-3.2 files)."""
     section = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
@@ -357,8 +359,8 @@ def _rope_config(d: dict[str, Any]) -> RopeConfig:
     if not isinstance(params, dict):
         raise ValueError(f"{section} must be a JSON object, got {params!r}")
     section += "."
-    theta = _positive_number(d, "rope_theta", 10000.0)
-    theta = _positive_number(params, "rope_theta", theta, section)
+    theta = positive_number(d, "rope_theta", 10000.0)
+    theta = positive_number(params, "rope_theta", theta, section)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(
@@ -369,7 +371,7 @@ def _rope_config(d: dict[str, Any]) -> RopeConfig:
         raise ValueError(f"{section}partial_rotary_factor is not implemented (only 1.0)")
     if rope_type == "default":
         return RopeConfig(theta=theta)
-    factor = _positive_number(params, "factor", section=section)
+    factor = positive_number(params, "factor", section=section)
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=factor)
     if rope_type == "yarn":
@@ -378,10 +380,10 @@ def _rope_config(d: dict[str, Any]) -> RopeConfig:
         theta=theta,
         rope_type="llama3",
         factor=factor,
-        low_freq_factor=_positive_number(params, "low_freq_factor", 1.0, section),
-        high_freq_factor=_positive_number(params, "high_freq_factor", 4.0, section),
+        low_freq_factor=positive_number(params, "low_freq_factor", 1.0, section),
+        high_freq_factor=positive_number(params, "high_freq_factor", 4.0, section),
         original_max_position_embeddings=int(
-            _positive_number(params, "original_max_position_embeddings", 8192, section)
+            positive_number(params, "original_max_position_embeddings", 8192, section)
         ),
     )
 
@@ -413,7 +415,7 @@ def _yarn(
         original_max_position_embeddings=int(original),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=_positive_number(
+        attention_factor=positive_number(
             {"attention_factor": attention_factor}, "attention_factor", section=section
         ),
         truncate=truncate,
@@ -422,11 +424,3 @@ def _yarn(
 
 def _mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _as_ids(value: Any) -> list[int]:
-    """An eos_token_id: null, one id, or a list of them."""
-    ids = [] if value is None else [value] if isinstance(value, int) else value
-    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
-        raise ValueError(f"eos_token_id must be a token id or a list of them, got {value!r}")
-    return ids

@@ -17,13 +17,23 @@ import math
 
 import torch
 
-from nanoserve.kernels import SMALL_LINEAR_MAX_ROWS, QuantizedParts, QuantizedWeight, c_backend
+from nanoserve.kernels import (
+    KV_Q8_0,
+    SMALL_LINEAR_MAX_ROWS,
+    QuantizedParts,
+    QuantizedWeight,
+    c_backend,
+    cache_row_width,
+)
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.quantized import Blocks
 from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+# The fields of the C step's struct layer_weights: a layer's, but a mixture of experts' (which the
+# C step does not run: such a model decodes layer by layer).
+C_FIELDS = tuple(name for name, t in LAYER if t.when != "moe")
 
 
 class CpuDecodeStep:
@@ -33,7 +43,7 @@ class CpuDecodeStep:
         self.config = config
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
         # Per layer, each weight by its name (a field of the C step's struct layer_weights).
-        self.weights = [{name: _stored(getattr(x, name)) for name, _ in LAYER} for x in layers]
+        self.weights = [{name: _stored(getattr(x, name)) for name in C_FIELDS} for x in layers]
         # The quantized matmul takes any number of rows; the float GEMV up to 4.
         blocks = all(isinstance(m.weight, Blocks) for x in layers for m in matrices(x))
         self.max_rows = c_backend.STEP_ROWS if blocks else SMALL_LINEAR_MAX_ROWS
@@ -111,7 +121,8 @@ class CpuDecodeStep:
     def layer_table(self, kv_caches: KVCaches, dtype: torch.dtype) -> object:
         """The C step's layers (weights and KV caches), rebuilt (and the caches checked) when a
         cache changes. The caches: all of one dtype, the activations' (dtype), or bfloat16 or
-        float16 under float32 activations (the C step rounds each key to them as stored)."""
+        float16 under float32 activations (the C step rounds each key to them as stored), or
+        q8_0 rows (quantized as stored)."""
         caches = [t for pair in kv_caches for t in pair]
         if len(caches) == len(self._caches) and all(
             a is b for a, b in zip(caches, self._caches, strict=True)
@@ -120,13 +131,16 @@ class CpuDecodeStep:
         if len(kv_caches) != len(self.weights):
             raise ValueError(f"{len(kv_caches)} KV cache pairs for {len(self.weights)} layers")
         c = self.config
-        shape = (caches[0].shape[0], c.num_kv_heads, caches[0].shape[2], c.head_dim)
         cache_dtype = caches[0].dtype
+        width = cache_row_width(c.head_dim, cache_dtype)
+        shape = (caches[0].shape[0], c.num_kv_heads, caches[0].shape[2], width)
         sixteen_bit = (torch.bfloat16, torch.float16)
-        if cache_dtype != dtype and not (dtype == torch.float32 and cache_dtype in sixteen_bit):
+        if cache_dtype not in (dtype, KV_Q8_0) and not (
+            dtype == torch.float32 and cache_dtype in sixteen_bit
+        ):
             raise ValueError(
-                f"KV caches must be of the activations' dtype ({dtype}), or bfloat16 or float16 "
-                f"under float32 activations; got {cache_dtype}"
+                f"KV caches must be of the activations' dtype ({dtype}), q8_0, or bfloat16 or "
+                f"float16 under float32 activations; got {cache_dtype}"
             )
         for t in caches:
             if t.shape != shape or t.dtype != cache_dtype or not t.is_cpu or not t.is_contiguous():
@@ -164,6 +178,8 @@ def not_in_c(layers: list[LayerWeights]) -> str | None:
     """Why the C step cannot take these layers where it is their norms' dtype; None: it can."""
     if not layers:
         return None
+    if layers[0].router is not None:
+        return "mixture-of-experts layers (not in the C step yet)"
     dtype = layers[0].input_norm.dtype  # GGUF blocks' activations: float32, as their norms
     if isinstance(layers[0].qkv.weight, torch.Tensor):
         dtype = layers[0].qkv.weight.dtype

@@ -2,8 +2,10 @@
 it describes, and the tensors under Hugging Face names, with the rows of the Q and K projections
 put back in Hugging Face's order (llama's; llama.cpp keeps qwen2's and qwen3's as they are).
 Architectures `llama`, `qwen2`, `qwen3` and `gemma3` (the families of model/config.py; a bias is
-there where its tensor is, as llama.cpp loads them; Gemma 3 as llama.cpp reads its files); any
-other architecture, tensor type or tokenizer is refused by name.
+there where its tensor is, as llama.cpp loads them; Gemma 3 as llama.cpp reads its files), and the
+mixtures of experts `qwen3moe` and `llama` with `expert_count` (Mixtral), whose experts are 3-D
+tensors (ffn_gate_exps...: [experts, rows, columns]) kept in their blocks as one run of rows,
+expert after expert; any other architecture, tensor type or tokenizer is refused by name.
 
 The header is read by model/gguf_header.py. What it yields that takes time to rebuild (scalar
 metadata, the tensor table, the built tokenizer) is kept under the cache directory
@@ -16,6 +18,7 @@ de-quantized by the `gguf` package (llama.cpp's own de-quantizers) into the engi
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,17 +46,22 @@ from nanoserve.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 Q = GGMLType
 DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+MOE_ARCHITECTURES = ("llama", "qwen3moe")  # those that may have expert_count
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
 # Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
 # floats (F16, BF16) included.
 KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
 
 # GGUF tensor name -> Hugging Face name, from model/weights.py: a layer's after "blk.N." and
-# "model.layers.N.", the model's own whole.
-LAYER_NAMES = {g: h for _, t in LAYER for g, h in zip(t.gguf, t.hf, strict=True)}
-# Where a family names a tensor otherwise (Gemma 3's ffn_norm is its pre_feedforward_layernorm).
-GEMMA_NAMES = {**LAYER_NAMES, **{g: h for _, t in LAYER if t.renamed
+# "model.layers.N.", the model's own whole; an experts tensor's, the stacked name (without the
+# expert's index).
+LAYER_NAMES = {
+    g: h.replace(".{e}", "") for _, t in LAYER for g, h in zip(t.gguf, t.hf, strict=True)
+}
+# Gemma 3 names a tensor otherwise (its ffn_norm is its pre_feedforward_layernorm).
+GEMMA_NAMES = {**LAYER_NAMES, **{g: h for _, t in LAYER
+                                 if t.renamed and t.renamed[0] == "sandwich_norms"
                                  for g, h in zip(t.gguf, t.renamed[1], strict=True)}}  # fmt: skip
 TOP_NAMES = {g: h for _, t in MODEL for g, h in zip(t.gguf, t.hf, strict=True)}
 ROPE_FREQS = "rope_freqs.weight"
@@ -123,11 +131,11 @@ class GGUFCheckpoint:
             heads = heads if permuted else None
             qtype = Q(info["type"]).name.lower()
             if arena is not None and _keeps(info):
-                rows = info["shape"][0]
+                rows = int(np.prod(info["shape"][:-1]))  # an experts tensor's: every expert's
                 blocks = arena.empty((rows, info["bytes"] // rows))
                 at = data.ctypes.data + info["offset"]
                 copies.append((blocks.data_ptr(), at, *blocks.shape, heads or 0))
-                weight = QuantizedWeight(blocks, qtype, tuple(info["shape"]))
+                weight = QuantizedWeight(blocks, qtype, (rows, info["shape"][-1]))
                 weights[_hf_name(name, gemma)] = weight
                 kept[qtype] = kept.get(qtype, 0) + 1
                 continue
@@ -136,7 +144,7 @@ class GGUFCheckpoint:
             # Gemma's (1 + w) norms stay float32 in a bfloat16 model, as transformers has them.
             own = torch.float32 if gemma and name.endswith("norm.weight") else dtype
             weights[_hf_name(name, gemma)] = torch.from_numpy(values).to(device=device, dtype=own)
-            if len(info["shape"]) == 2:
+            if len(info["shape"]) >= 2:
                 dequantized[qtype] = dequantized.get(qtype, 0) + 1
         if copies:
             c_backend.copy_rows(copies)
@@ -145,6 +153,15 @@ class GGUFCheckpoint:
             self.path.name, _counts(kept), dtype, _counts(dequantized),
         )  # fmt: skip
         return weights
+
+    def weight_bytes(self, dtype: torch.dtype, keep_blocks: bool = False) -> int:
+        """The bytes read_tensors' tensors will hold: a kept matrix's (or experts tensor's) blocks
+        as in the file, every other tensor's values in `dtype`."""
+        return sum(
+            i["bytes"] if keep_blocks and _keeps(i) else math.prod(i["shape"]) * dtype.itemsize
+            for name, i in self.tensors.items()
+            if name != ROPE_FREQS
+        )
 
     def _get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"{self.meta['general.architecture']}.{key}", default)
@@ -173,9 +190,39 @@ class GGUFCheckpoint:
             qkv_bias=has("blk.0.attn_q.bias"),
             o_bias=has("blk.0.attn_output.bias"),
             mlp_bias=has("blk.0.ffn_down.bias"),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
+            **self._experts(),
         )
         return self._gemma3(config) if arch == "gemma3" else config
+
+    def _experts(self) -> dict[str, Any]:
+        """A mixture's ModelConfig fields (none without expert_count), as llama.cpp's graphs for
+        these architectures compute it: softmax gating, the top experts' weights renormalized
+        (unless the file's expert_weights_norm says not), each expert's MLP of
+        expert_feed_forward_length (Mixtral's converter writes only feed_forward_length)."""
+        experts = self._get("expert_count", 0)
+        if not experts:
+            return {}
+        gating = self._get("expert_gating_func", 1)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
+        if gating != 1:
+            raise GGUFError(
+                f"{self.path.name}: {self.meta['general.architecture']}.expert_gating_func = "
+                f"{gating!r} is not implemented (nanoserve runs 1, softmax)"
+            )
+        used = self._get("expert_used_count")
+        if isinstance(used, bool) or not isinstance(used, int) or not 0 < used <= experts:
+            # Else the file loads and its first step fails in the router's top-k.
+            raise GGUFError(
+                f"{self.path.name}: {self.meta['general.architecture']}.expert_used_count = "
+                f"{used!r} must be an integer from 1 to expert_count ({experts})"
+            )
+        return {
+            "num_experts": experts,
+            "experts_per_token": used,
+            "expert_size": self._get("expert_feed_forward_length")
+            or self._get("feed_forward_length"),
+            "norm_topk_prob": bool(self._get("expert_weights_norm", True)),
+        }
 
     def _gemma3(self, config: ModelConfig) -> ModelConfig:
         """Gemma 3 as llama.cpp reads its file: the converter stored each norm as 1 + w (so a
@@ -216,10 +263,14 @@ class GGUFCheckpoint:
         changes = {
             "rope.dimension_count": (self._get("rope.dimension_count", head_dim), head_dim),
             "attention.value_length": (self._get("attention.value_length", head_dim), head_dim),
-            "expert_count": (self._get("expert_count", 0), 0),
             "attention.clamp_kqv": (self._get("attention.clamp_kqv"), None),
         }
-        if self.meta["general.architecture"] != "gemma3":
+        arch = self.meta["general.architecture"]
+        if arch not in MOE_ARCHITECTURES:
+            changes["expert_count"] = (self._get("expert_count", 0), 0)
+        for key in ("expert_shared_count", "expert_shared_feed_forward_length"):  # Qwen2-MoE's
+            changes[key] = (self._get(key), None)
+        if arch != "gemma3":
             # llama.cpp's converter writes none for these architectures, nor says how it applies
             changes["attention.sliding_window"] = (self._get("attention.sliding_window"), None)
         for key in ("attention.logit_softcapping", "attention.scale"):  # Gemma 2's, Granite's
@@ -359,7 +410,7 @@ def _keeps(info: dict[str, Any]) -> bool:
     """Whether a tensor stays in its format: a matrix in one of the kernels' formats whose rows
     are whole blocks."""
     shape, qtype = info["shape"], Q(info["type"])
-    if qtype not in KEPT or len(shape) != 2:
+    if qtype not in KEPT or len(shape) not in (2, 3):  # 3: an experts tensor
         return False
     return shape[1] % BLOCK_VALUES[qtype.name.lower()] == 0
 

@@ -22,8 +22,10 @@ from nanoserve.kernels import gated_mul, rms_norm, rope_
 from nanoserve.model.attention import AttentionMetadata, attention
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.loader import LlamaWeights
+from nanoserve.model.moe import sparse_moe
 from nanoserve.model.parallel import SINGLE, Parallel
 from nanoserve.model.quantized import QuantizedWeight, embed_rows
+from nanoserve.model.weights import LayerWeights
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -89,11 +91,27 @@ class Llama:
             # A row-parallel bias is added once, to the sum.
             o = _biased(reduce.all_reduce(layer.o(a.view(-1, q_size))), layer.o_bias)
             h = h + _normed(o, layer.attn_out_norm, eps)
-            gate_up = _biased(layer.gate_up(_rms(h, layer.post_norm, eps)), layer.gate_up_bias)
-            gated = gated_mul(gate_up, c.activation)  # the one-call C step's bits on a CPU
-            down = _biased(reduce.all_reduce(layer.down(gated)), layer.down_bias)
+            down = self._mlp(layer, _rms(h, layer.post_norm, eps))
             h = h + _normed(down, layer.mlp_out_norm, eps)
         return h
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of x, or the mixture of experts in its place (model/moe.py; in one
+        process: tensor parallelism refuses an MoE model)."""
+        c = self.config
+        if layer.router is not None:
+            assert layer.experts_gate and layer.experts_up and layer.experts_down
+            # Mixtral's routing weights stay float32 (transformers'; llama.cpp's too), a GGUF
+            # Mixtral's (architecture llama, with experts) as well as a Hugging Face one's.
+            mixtral = c.family in ("mixtral", "llama")
+            return sparse_moe(
+                x, layer.router, layer.experts_gate, layer.experts_up, layer.experts_down,
+                c.experts_per_token, c.norm_topk_prob, weights_in_float32=mixtral,
+            )  # fmt: skip
+        assert layer.gate_up is not None and layer.down is not None, "a dense layer has its MLP"
+        gate_up = _biased(layer.gate_up(x), layer.gate_up_bias)
+        gated = gated_mul(gate_up, c.activation)  # the one-call C step's bits on a CPU
+        return _biased(self.parallel.all_reduce(layer.down(gated)), layer.down_bias)
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of hidden states (the rows whose logits are wanted)."""

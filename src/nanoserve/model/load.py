@@ -22,7 +22,7 @@ from nanoserve.model.llama import Llama
 from nanoserve.model.loader import LlamaWeights, load_weights
 from nanoserve.model.parallel import Parallel
 from nanoserve.model.quantized import Blocks, formats, quantize_matrices
-from nanoserve.model.weights import matrices
+from nanoserve.model.weights import LAYER, matrices
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +46,26 @@ def resolve_dtype(config: EngineConfig, checkpoint: Checkpoint) -> EngineConfig:
             dtype, why = "float32", "this CPU has no native bfloat16 matmul"
         log.info("dtype auto: %s (%s)", dtype, why)
         config = replace(config, dtype=dtype)
-    return replace(config, kv_cache_dtype=_kv_dtype(config, blocks))
+    return replace(config, kv_cache_dtype=_kv_dtype(config, blocks, checkpoint.config.head_dim))
 
 
-def _kv_dtype(config: EngineConfig, blocks: bool) -> str:
+def _kv_dtype(config: EngineConfig, blocks: bool, head_dim: int) -> str:
     """kv_cache_dtype "auto": the activations' dtype, but float16 for float32 activations of
     GGUF-block matrices on a CPU (llama.cpp's cache: half the bytes a token, and a quantized
     model's outputs already differ from its float32 ones by more than the rounding). A float32
     float model keeps a float32 cache, as transformers computes it. CUDA's Triton kernels read
-    the cache in the activations' dtype: any other is refused."""
+    the cache in the activations' dtype: any other is refused, q8_0 too (its blocks are read by
+    the CPU kernels only), as is q8_0 for heads not made of its blocks of 32."""
     kv = config.kv_cache_dtype
     if config.device.startswith("cuda") and kv not in ("auto", config.dtype):
         raise SettingError(
             "kv_cache_dtype", kv, f"auto or the activations' dtype ({config.dtype}) on CUDA, "
             "whose kernels read the cache in it",
+        )  # fmt: skip
+    if kv == "q8_0" and head_dim % 32:
+        raise SettingError(
+            "kv_cache_dtype", kv, f"auto or a float dtype for this model, whose head_dim "
+            f"({head_dim}) is no multiple of q8_0's blocks of 32",
         )  # fmt: skip
     if kv != "auto":
         return kv
@@ -82,6 +88,23 @@ def load_model(
     """This rank's model on its device, with RoPE tables for `positions` positions."""
     return Llama(checkpoint.config, _weights(checkpoint, config, device, parallel), positions,
                  parallel)  # fmt: skip
+
+
+def weight_bytes(checkpoint: Checkpoint, config: EngineConfig, parallel: Parallel) -> int:
+    """The bytes this rank's load will read into host memory, as `_weights` keeps them: the whole
+    checkpoint's tensors (under tensor parallelism too: each rank reads it whole, then cuts),
+    matrices in their GGUF blocks where they stay so. Not oneDNN's packed copies of float
+    matrices, which come after."""
+    keep = _keeps_blocks(config, torch.device(config.device), parallel)
+    return checkpoint.weight_bytes(config.torch_dtype, keep)
+
+
+def _keeps_blocks(c: EngineConfig, device: torch.device, parallel: Parallel) -> bool:
+    """Whether a GGUF's matrices stay in their blocks: on a CPU, in one process, in float32,
+    unless quantization="none"."""
+    whole = parallel.size == 1
+    blocks = whole and device.type == "cpu" and c.dtype == "float32"
+    return blocks and c.quantization != "none"
 
 
 def decode_step(model: Llama, device: torch.device, parallel: Parallel) -> CpuDecodeStep | None:
@@ -139,9 +162,15 @@ def _weights(
             f"quantization={c.quantization!r} needs dtype float32 on a CPU in one process "
             f"(here dtype {c.dtype}, device {device}, {parallel.size} processes)"
         )
-    keep = blocks and c.quantization != "none"
+    keep = _keeps_blocks(c, device, parallel)
     raw = checkpoint.read_tensors(c.torch_dtype, device if whole else "cpu", keep)
     if c.quantization not in ("auto", "none"):
+        blocked = sorted(n for n, t in raw.items() if not isinstance(t, torch.Tensor))
+        if blocked:  # a quantized GGUF: its blocks are not quantized a second time
+            raise SettingError(
+                "quantization", c.quantization, f"auto or none for a file whose matrices are "
+                f"already in blocks ({len(blocked)} of them, e.g. {blocked[0]})",
+            )  # fmt: skip
         raw = quantize_matrices(raw, c.quantization)  # type: ignore[arg-type]
     place = _to(device) if not whole else None
     if device.type == "cpu":
@@ -160,12 +189,23 @@ def _to(device: torch.device) -> Callable[[list[torch.Tensor]], list[torch.Tenso
 
 
 def _describe(weights: LlamaWeights, dtype: str) -> str:
-    """How the matrices are kept, e.g. '120 matrices in q4_1 blocks, 1 in q8_0 blocks'."""
+    """How the matrices are kept, e.g. '120 matrices in q4_1 blocks, 1 in q8_0 blocks', and a
+    mixture's experts tensors (each a 3-D stack of every expert's matrix) likewise."""
     layers = weights.layers
-    ms = [m.weight for x in layers for m in (x.qkv, x.o, x.gate_up, x.down)]
+    ms = [m.weight for x in layers for m in matrices(x)]
     counts = formats([*ms, weights.lm_head.weight])
-    parts = [f"{n} in {k} blocks" if k != "float" else f"{n} in {dtype}" for k, n in counts.items()]
-    return f"{sum(counts.values())} matrices: " + ", ".join(parts)
+    text = f"{sum(counts.values())} matrices: " + _listed(counts, dtype)
+    experts = [getattr(x, n) for x in layers for n, t in LAYER if t.kind == "experts"]
+    if any(e is not None for e in experts):
+        counts = formats([e.weight if isinstance(e.weight, Blocks) else e.weight[0]
+                          for e in experts])  # fmt: skip
+        text += f"; {sum(counts.values())} experts tensors: " + _listed(counts, dtype)
+    return text
+
+
+def _listed(counts: dict[str, int], dtype: str) -> str:
+    return ", ".join(f"{n} in {k} blocks" if k != "float" else f"{n} in {dtype}"
+                     for k, n in counts.items())  # fmt: skip
 
 
 def _tensors(obj: object, seen: set[int]) -> Iterator[torch.Tensor]:

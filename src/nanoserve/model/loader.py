@@ -12,6 +12,7 @@ headers alone (`check_tensors`), before anything loads. Owns nothing after loadi
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,22 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from nanoserve.kernels import QuantizedParts
 from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
+from nanoserve.model.moe import Experts
 from nanoserve.model.parallel import SINGLE, Parallel, shard
 from nanoserve.model.quantized import Blocks, QuantLinear, Weight, cat_rows, placed
-from nanoserve.model.weights import LAYER, MODEL, LayerWeights, LlamaWeights, listed, names
+from nanoserve.model.weights import (
+    LAYER,
+    MODEL,
+    LayerWeights,
+    LlamaWeights,
+    Tensor,
+    listed,
+    names,
+    part_shapes,
+)
 
 Placement = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -65,6 +77,16 @@ def _opened(file: Path) -> Iterator[Any]:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
+def tensor_elements(path: str | Path) -> int:
+    """How many values the checkpoint's tensors hold, from the files' headers."""
+    total = 0
+    for file in checkpoint_files(path):
+        with _opened(file) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
 def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint directory: a single file, or the shards its index
     names (FileNotFoundError naming the directory or the missing shard)."""
@@ -102,6 +124,9 @@ def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
                 raise ValueError(f"checkpoint has no {keys[0]} and tie_word_embeddings is false")
             out.append(taken[t.tied_to])
             continue
+        if t.kind == "experts":
+            out.append(_experts(weights, prefix, t, config))
+            continue
         parts = [weights.pop(key) for key in keys]
         if t.parts is not None:
             _check_shapes(keys, parts, t.parts(config))
@@ -117,6 +142,27 @@ def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
     return out
 
 
+def _experts(weights: dict[str, Weight], prefix: str, t: Tensor, config: ModelConfig) -> Weight:
+    """An experts tensor stacked: a checkpoint's matrix per expert stacked into [experts, rows,
+    columns] (floats) or [experts * rows, columns] (blocks, one expert's rows after another's), or
+    the stacked tensor a GGUF file has (under the name without the expert's index) as it is."""
+    (shape,) = t.parts(config)  # type: ignore[misc]
+    stacked = (config.num_experts, *shape)
+    key = f"{prefix}{t.stacked_names(config)[0]}.{t.suffix}"
+    if key in weights:
+        w = weights.pop(key)
+        want = (stacked[0] * stacked[1], stacked[2]) if isinstance(w, Blocks) else stacked
+        if tuple(w.shape) != want:
+            raise ValueError(f"{key} has shape {list(w.shape)}, but the config makes it {want}")
+        return w
+    keys = names(prefix, t, config)
+    parts = [weights.pop(k) for k in keys]
+    _check_shapes(keys, parts, part_shapes(t, config))
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.stack(parts)  # type: ignore[arg-type]
+    return cat_rows(parts)
+
+
 # Buffers some checkpoints save that the config already determines (RoPE's frequencies).
 IGNORED = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -128,7 +174,7 @@ def check_tensors(path: str | Path, config: ModelConfig) -> None:
     tensor at fault. Reads the files' headers only."""
     expected: dict[str, tuple[int, ...] | None] = {}
     for prefix, _, t in listed(config):
-        shapes = list(t.parts(config)) if t.parts else [None] * len(t.hf)
+        shapes = list(part_shapes(t, config)) if t.parts else [None] * len(t.hf)
         expected.update(zip(names(prefix, t, config), shapes, strict=True))
     tied = "lm_head.weight"
     for file in checkpoint_files(path):
@@ -186,19 +232,22 @@ def pack(tensors: list[Weight], config: ModelConfig) -> LlamaWeights:
     embedding as it is, a norm's weight or a bias a float tensor; an option the config's model
     has not stays None."""
     it = iter(tensors)
-    own = {name: _kept(t.kind, next(it)) for name, t in MODEL}
+    own = {name: _kept(t.kind, next(it), config) for name, t in MODEL}
     present = [name for name, t in LAYER if t.present(config)]
     kinds = dict((name, t.kind) for name, t in LAYER)
     layers = [
-        LayerWeights(**{name: _kept(kinds[name], next(it)) for name in present})
+        LayerWeights(**{name: _kept(kinds[name], next(it), config) for name in present})
         for _ in range(config.num_layers)
     ]
     return LlamaWeights(**own, layers=layers)
 
 
-def _kept(kind: str, w: Weight) -> Any:
+def _kept(kind: str, w: Weight, config: ModelConfig) -> Any:
     """w as LlamaWeights and LayerWeights keep a tensor of `kind` (model/weights.py)."""
     if kind == "matrix":
         return QuantLinear(w) if isinstance(w, Blocks) else Linear(w)
+    if kind == "experts":
+        assert not isinstance(w, QuantizedParts), "one experts tensor is in one format"
+        return Experts(w, config.num_experts)
     assert kind == "embedding" or isinstance(w, torch.Tensor), "vectors are never quantized"
     return w

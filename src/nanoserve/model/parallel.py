@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanoserve.config import SettingError
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.weights import Tensor, listed
 
@@ -70,7 +71,13 @@ SINGLE = Parallel()
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """Refuse, in one line, a model whose heads (or MLP) cannot be split evenly `size` ways."""
+    """Refuse, in one line, a model whose heads (or MLP) cannot be split evenly `size` ways, and a
+    mixture of experts (its experts are not sharded yet)."""
+    if config.moe and size > 1:
+        raise SettingError(
+            "tensor_parallel_size", size, f"1 for a mixture-of-experts model ({config.num_experts} "
+            "experts): sharding the experts across ranks is not implemented",
+        )  # fmt: skip
     counts = {
         "num_heads": config.num_heads,
         "num_kv_heads": config.num_kv_heads,

@@ -110,13 +110,15 @@ def _moved(w: QuantizedWeight, data: torch.Tensor) -> QuantizedWeight:
 
 def quantize_matrices(raw: dict[str, torch.Tensor], qtype: str) -> dict[str, Weight]:
     """Every matrix of a float checkpoint (Hugging Face names) quantized to `qtype`, as llama.cpp
-    quantizes a file: the embedding and the output projection too; norms stay float."""
+    quantizes a file: the embedding and the output projection too, and a GGUF's stacked experts
+    tensor [experts, rows, columns] as one run of blocks [experts * rows, columns] (the blocks of
+    each expert's matrix, expert after expert); norms stay float."""
     if qtype not in QUANT_TYPES:
         raise ValueError(f"quantization must be one of {', '.join(QUANT_TYPES)}, got {qtype!r}")
     out: dict[str, Weight] = {}
     for name in list(raw):
         t = raw.pop(name)
-        out[name] = quantize(t.float(), qtype) if t.dim() == 2 else t
+        out[name] = quantize(t.float().flatten(0, -2), qtype) if t.dim() in (2, 3) else t
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.linear import Linear
+from nanoserve.model.moe import Experts
 from nanoserve.model.quantized import QuantLinear, Weight
 
 Matrix = Linear | QuantLinear
@@ -27,8 +28,11 @@ Matrix = Linear | QuantLinear
 Shard = Literal["column", "row", "vocab", "replicated"]
 # matrix: multiplied by (a Linear; a QuantLinear when in GGUF blocks); embedding: rows looked up
 # (floats or GGUF blocks, as they come); norm, bias: a vector, always floats (a bias is added to a
-# matrix's product: a row-parallel one once, after the all-reduce).
-Kind = Literal["matrix", "embedding", "norm", "bias"]
+# matrix's product: a row-parallel one once, after the all-reduce); experts: one matrix per
+# expert, stacked into one 3-D tensor (or one run of GGUF blocks, expert after expert), kept as
+# model/moe.py's `Experts`. An experts tensor's Hugging Face names hold "{e}", the expert's index:
+# one name per expert in a checkpoint, the name without ".{e}" for the stacked tensor (GGUF's).
+Kind = Literal["matrix", "embedding", "norm", "bias", "experts"]
 Shapes = Callable[[ModelConfig], list[tuple[int, ...]]]
 
 
@@ -55,6 +59,10 @@ class Tensor:
         if self.renamed is not None and getattr(config, self.renamed[0]):
             return self.renamed[1]
         return self.hf
+
+    def stacked_names(self, config: ModelConfig) -> tuple[str, ...]:
+        """An experts tensor's names without the expert's index: the stacked tensor's."""
+        return tuple(h.replace(".{e}", "") for h in self.hf_names(config))
 
     def rows(self, config: ModelConfig) -> list[int]:
         """Each part's rows: where a column-parallel cut takes its slice of every part."""
@@ -102,13 +110,34 @@ class LayerWeights:
         parts=lambda c: [(c.hidden_size,)],
         renamed=("sandwich_norms", ("pre_feedforward_layernorm",)),
     )  # fmt: skip
-    gate_up: Matrix = _tensor(
+    # The dense MLP, or a mixture of experts in its place (ModelConfig.moe).
+    gate_up: Matrix | None = _optional(
         hf=("mlp.gate_proj", "mlp.up_proj"), gguf=("ffn_gate", "ffn_up"), shard="column",
-        kind="matrix", parts=lambda c: [(c.intermediate_size, c.hidden_size)] * 2,
+        kind="matrix", when="dense", parts=lambda c: [(c.intermediate_size, c.hidden_size)] * 2,
     )  # fmt: skip
-    down: Matrix = _tensor(
-        hf=("mlp.down_proj",), gguf=("ffn_down",), shard="row", kind="matrix",
+    down: Matrix | None = _optional(
+        hf=("mlp.down_proj",), gguf=("ffn_down",), shard="row", kind="matrix", when="dense",
         parts=lambda c: [(c.hidden_size, c.intermediate_size)],
+    )  # fmt: skip
+    router: Matrix | None = _optional(  # [experts, hidden]: each expert's score of a token
+        hf=("mlp.gate",), gguf=("ffn_gate_inp",), shard="replicated", kind="matrix", when="moe",
+        parts=lambda c: [(c.num_experts, c.hidden_size)],
+        renamed=("mixtral_names", ("block_sparse_moe.gate",)),
+    )  # fmt: skip
+    experts_gate: Experts | None = _optional(
+        hf=("mlp.experts.{e}.gate_proj",), gguf=("ffn_gate_exps",), shard="replicated",
+        kind="experts", when="moe", parts=lambda c: [(c.expert_size, c.hidden_size)],
+        renamed=("mixtral_names", ("block_sparse_moe.experts.{e}.w1",)),
+    )  # fmt: skip
+    experts_up: Experts | None = _optional(
+        hf=("mlp.experts.{e}.up_proj",), gguf=("ffn_up_exps",), shard="replicated",
+        kind="experts", when="moe", parts=lambda c: [(c.expert_size, c.hidden_size)],
+        renamed=("mixtral_names", ("block_sparse_moe.experts.{e}.w3",)),
+    )  # fmt: skip
+    experts_down: Experts | None = _optional(
+        hf=("mlp.experts.{e}.down_proj",), gguf=("ffn_down_exps",), shard="replicated",
+        kind="experts", when="moe", parts=lambda c: [(c.hidden_size, c.expert_size)],
+        renamed=("mixtral_names", ("block_sparse_moe.experts.{e}.w2",)),
     )  # fmt: skip
     # A family's options, None where its config leaves them out.
     qkv_bias: torch.Tensor | None = _optional(
@@ -183,10 +212,21 @@ def listed(config: ModelConfig) -> list[tuple[str, str, Tensor]]:
 
 
 def names(prefix: str, t: Tensor, config: ModelConfig) -> list[str]:
-    """The Hugging Face names of a tensor's parts, e.g. model.layers.0.self_attn.q_proj.bias."""
+    """The Hugging Face names of a tensor's parts, e.g. model.layers.0.self_attn.q_proj.bias; an
+    experts tensor's, one per expert (model.layers.0.mlp.experts.3.up_proj.weight)."""
+    if t.kind == "experts":
+        return [f"{prefix}{part.format(e=e)}.{t.suffix}"
+                for part in t.hf_names(config) for e in range(config.num_experts)]  # fmt: skip
     return [f"{prefix}{part}.{t.suffix}" for part in t.hf_names(config)]
 
 
+def part_shapes(t: Tensor, config: ModelConfig) -> list[tuple[int, ...]]:
+    """The shape of each name `names` gives (an experts tensor's: each expert's matrix)."""
+    assert t.parts is not None, "only a layer's tensors have shapes"
+    return t.parts(config) * (config.num_experts if t.kind == "experts" else 1)
+
+
 def matrices(layer: LayerWeights) -> list[Matrix]:
-    """A layer's matrices, in order."""
-    return [getattr(layer, name) for name, t in LAYER if t.kind == "matrix"]
+    """A layer's matrices (the dense ones: not its experts), in order."""
+    return [getattr(layer, name) for name, t in LAYER
+            if t.kind == "matrix" and getattr(layer, name) is not None]  # fmt: skip

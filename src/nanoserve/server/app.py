@@ -16,6 +16,7 @@ from nanoserve.config import ServerConfig
 from nanoserve.server.anthropic import AnthropicServer
 from nanoserve.server.bridge import Serving
 from nanoserve.server.errors import error_handlers
+from nanoserve.server.pooling_routes import PoolingAPI
 from nanoserve.server.responses_api import ResponsesAPI
 from nanoserve.server.routes import OpenAIServer
 
@@ -62,6 +63,7 @@ def create_app(
         "/v1/messages/count_tokens", view_func=anthropic.count_tokens, methods=["POST"]
     )
     app.add_url_rule("/v1/models", view_func=api.models, methods=["GET"])
+    PoolingAPI(api).add_routes(app)  # /v1/embeddings, /v1/rerank, /v1/score
     # OpenAI's Responses API (responses_api.py): an adapter onto chat's path
     app.add_url_rule("/v1/responses", "responses_create", responses.create, methods=["POST"])
     one = "/v1/responses/<response_id>"

@@ -1,4 +1,5 @@
-"""The engine task: the one owner of the Engine in a server, run in the app's nursery.
+"""The engine task: the one owner of the Engine (or of a pooling model's PoolingEngine, driven
+the same way) in a server, run in the app's nursery.
 
 Each turn drains the inbox (arrivals and aborts), applies aborts, admits, delivers, then awaits
 one `engine.step` in a named thread: the only line that leaves the event loop. Admission is fair
@@ -21,7 +22,14 @@ from dataclasses import dataclass, field
 
 import trio
 
-from nanoserve.engine import Admitted, Engine, RequestOutput
+from nanoserve.engine import (
+    Admitted,
+    Engine,
+    PoolingEngine,
+    PoolingInput,
+    PoolingOutput,
+    RequestOutput,
+)
 from nanoserve.server.metrics import Metrics
 from nanoserve.server.stats import ServingStats
 
@@ -49,11 +57,11 @@ class Delivery:
     """One request's mailbox. The engine task replaces `latest` (outputs are cumulative, so a slow
     reader skips intermediate snapshots instead of queueing them) and wakes the reader."""
 
-    latest: RequestOutput | None = None
+    latest: RequestOutput | PoolingOutput | None = None
     error: Exception | None = None
     wakeup: trio.Event = field(default_factory=trio.Event)
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: RequestOutput | PoolingOutput) -> None:
         self.latest = output
         self.wakeup.set()
 
@@ -61,7 +69,7 @@ class Delivery:
         self.error = error
         self.wakeup.set()
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
+    async def outputs(self) -> AsyncIterator[RequestOutput | PoolingOutput]:
         seen = None
         while True:
             await self.wakeup.wait()
@@ -78,7 +86,7 @@ class Delivery:
 @dataclass(frozen=True)
 class Arrival:
     request_id: str
-    admitted: Admitted  # checked by the handler (engine/admission.py): added as it is
+    admitted: Admitted | PoolingInput  # checked by the handler: added as it is
     delivery: Delivery
     arrival_time: float  # when the handler submitted it: queueing includes the inbox
     group: str  # the HTTP request it is one prompt of: admission is fair between groups
@@ -91,7 +99,10 @@ class Abort:
 
 class EngineTask:
     def __init__(
-        self, engine: Engine, inbox: trio.MemoryReceiveChannel[Arrival | Abort], metrics: Metrics
+        self,
+        engine: Engine | PoolingEngine,
+        inbox: trio.MemoryReceiveChannel[Arrival | Abort],
+        metrics: Metrics,
     ):
         self.engine = engine
         self.metrics = metrics
@@ -104,7 +115,8 @@ class EngineTask:
         self.group_rows = max_num_seqs - max_num_seqs // RESERVED_ROW_SHARE
         self._rows: dict[str, int] = {}  # batch rows each group's admitted requests hold
         self._admitted: dict[str, tuple[str, int]] = {}  # request id -> (group, rows)
-        self._pending: list[RequestOutput] = []  # produced by the last step, not yet delivered
+        # Produced by the last step, not yet delivered
+        self._pending: list[RequestOutput | PoolingOutput] = []
         self.dead: str | None = None  # why the engine stopped serving, once it has
         self.died = trio.Event()  # set with `dead`: `nanoserve serve` exits then
         self.steps = 0
@@ -188,20 +200,29 @@ class EngineTask:
                 self._queued[group] = arrivals  # to the back of the line
             self._num_queued -= 1
             try:
-                self.engine.add_request(
-                    arrival.request_id, arrival.admitted, arrival_time=arrival.arrival_time
-                )
+                self._add(arrival)
             except Exception as e:  # a rejected arrival fails only its own caller
                 del self._open[arrival.request_id]
                 arrival.delivery.fail(e)
                 continue
-            n = arrival.admitted.params.n
+            n = arrival.admitted.params.n if isinstance(arrival.admitted, Admitted) else 1
             self.metrics.on_arrival(len(arrival.admitted.token_ids))
             self._prompt_tokens += n * len(arrival.admitted.token_ids)
             room -= n
             self._rows[group] = self._rows.get(group, 0) + n
             self._admitted[arrival.request_id] = (group, n)
         self._publish()
+
+    def _add(self, arrival: Arrival) -> None:
+        """Hand an arrival to the engine: a generation's to the Engine, an input to pool to the
+        pooling engine (the server's routes send each engine only its own kind)."""
+        engine, admitted, when = self.engine, arrival.admitted, arrival.arrival_time
+        if isinstance(engine, PoolingEngine):
+            assert isinstance(admitted, PoolingInput)
+            engine.add_request(arrival.request_id, admitted, arrival_time=when)
+        else:
+            assert isinstance(admitted, Admitted)
+            engine.add_request(arrival.request_id, admitted, arrival_time=when)
 
     def _release(self, request_id: str) -> None:
         """A request left the engine (finished or aborted): its group's rows are free."""
@@ -245,7 +266,9 @@ class EngineTask:
 
     async def _step(self) -> None:
         try:
-            outputs = await trio.to_thread.run_sync(self.engine.step, thread_name="engine-step")
+            outputs: list[RequestOutput] | list[PoolingOutput] = await trio.to_thread.run_sync(
+                self.engine.step, thread_name="engine-step"
+            )
         except Exception as e:
             log.exception("engine step failed")
             self._fail_all(f"{type(e).__name__}: {e}")

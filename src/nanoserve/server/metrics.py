@@ -17,7 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from nanoserve.engine import RequestOutput
+from nanoserve.engine import PoolingOutput, RequestOutput
 from nanoserve.server.stats import ServingStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
@@ -118,7 +118,11 @@ class Metrics:
         if spec[1]:
             self.spec_acceptance.set(spec[2] / spec[1])
 
-    def on_output(self, output: RequestOutput) -> None:
+    def on_output(self, output: RequestOutput | PoolingOutput) -> None:
+        if isinstance(output, PoolingOutput):  # embedded or scored whole in one step
+            self.e2e.observe(output.finished_time - output.arrival_time)
+            self.success.labels(finished_reason="stop").inc()
+            return
         now = time.monotonic()
         m = output.metrics
         count = sum(len(c.token_ids) for c in output.outputs)

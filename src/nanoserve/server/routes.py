@@ -107,6 +107,7 @@ class OpenAIServer:
     async def completions(self) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await request.get_data(cache=False))
         self._check_model(req.model)
+        self._check_generates("/v1/completions")
         prompts = req.prompts()
         req.check_sequences(len(prompts))
         if self.serving.max_queue is not None and len(prompts) > self.serving.max_queue:
@@ -139,6 +140,7 @@ class OpenAIServer:
             ChatCompletionRequest, await request.get_data(cache=False)
         )
         self._check_model(req.model)
+        self._check_generates("/v1/chat/completions")
         req.check_sequences(1)
         inputs = chat_inputs(req, self.tokenizer.chat_template)
         prompt, token_ids = await self._encode_chat(
@@ -344,6 +346,15 @@ class OpenAIServer:
                 param,
             )
 
+    def _check_generates(self, route: str) -> None:
+        """A pooling model (an embedding model, a cross-encoder) serves no generation route."""
+        if self.serving.pooling is not None:
+            raise InvalidRequest(
+                f"{route}: the model {self.model_name!r} is an embedding model (--runner "
+                "pooling); it serves /v1/embeddings, or /v1/rerank and /v1/score",
+                "model",
+            )
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise ModelNotFound(f"the model {model!r} does not exist (this server serves "
@@ -364,6 +375,7 @@ class OpenAIServer:
         continue_final: bool = False,
     ) -> tuple[str, list[int]]:
         """The rendered chat's text and ids."""
+        self._check_generates("chat")
         chars = sum(len(m["content"]) for m in messages)  # at least: the template adds more
         self._check_length(chars, "messages")
         render = partial(self._render_chat, messages, add_generation_prompt, kwargs, continue_final)

@@ -20,6 +20,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
 from nanoserve.config import ServerConfig
+from nanoserve.engine import Engine, PoolingEngine
 from nanoserve.server.bridge import Serving
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,24 @@ async def serve(
         return 1
     log.info("stopped")
     return 0
+
+
+def log_loaded(engine: Engine | PoolingEngine, name: str, load_s: float) -> None:
+    """The start-up line of what was loaded: its KV pool, or what a pooling model serves."""
+    c = engine.config
+    if isinstance(engine, PoolingEngine):
+        kind = "a cross-encoder" if engine.classifies else "an embedding model"
+        log.info("model %r loaded in %.1f s (%s): %s (%s pooling), context %d tokens", name,
+                 load_s, c.dtype, kind, engine.pooling.mode, engine.max_model_len)  # fmt: skip
+        return
+    log.info(
+        "model %r loaded in %.1f s (%s): %d KV blocks of %d tokens (%.2f GiB, %s), context %d "
+        "tokens", name, load_s, c.dtype, engine.num_blocks, c.block_size,
+        engine.kv_cache_bytes / 2**30, c.kv_cache_dtype, engine.max_model_len,
+    )  # fmt: skip
+    if engine.worker_pids:
+        pids = ", ".join(map(str, engine.worker_pids))
+        log.info("tensor parallel: %d ranks, worker pids %s", len(engine.worker_pids) + 1, pids)
 
 
 async def _stop_when_the_engine_dies(stop: trio.Event, serving: Serving, grace: float) -> None:

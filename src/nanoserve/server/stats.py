@@ -26,4 +26,6 @@ class ServingStats:
 
     @property
     def kv_usage(self) -> float:
+        if not self.total_blocks:  # a pooling engine holds no KV pool
+            return 0.0
         return (self.total_blocks - self.free_blocks) / self.total_blocks

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from nanoserve.engine import Engine
 from nanoserve.testing.harness import LiveServer, hang_up, open_request
 
 WORDS = [
@@ -231,6 +232,7 @@ def check_survivors(crowd: CrowdReport) -> None:
 async def check_pool_returned(server: LiveServer) -> None:
     """Two questions: is the ledger consistent (audit), and is the pool empty (counts)."""
     health = await server.wait_idle()
+    assert isinstance(server.engine, Engine), "a crowd of generation requests"
     server.engine.audit()  # safe: the engine task is idle, asleep on its inbox
     _check(health["free_blocks"] == health["total_blocks"], f"blocks still held: {health}")
 

@@ -25,7 +25,7 @@ from hypercorn.trio import serve
 from quart_trio import QuartTrio
 
 from nanoserve.config import EngineConfig, ServerConfig
-from nanoserve.engine import Engine
+from nanoserve.engine import Engine, PoolingEngine
 from nanoserve.server.app import create_app
 from nanoserve.server.bridge import Serving
 from nanoserve.tokenizer import Tokenizer
@@ -40,7 +40,7 @@ class LiveServer:
     host: str
     port: int
     serving: Serving
-    engine: Engine
+    engine: Engine | PoolingEngine
     app: QuartTrio
     http: httpx.AsyncClient  # for /health and /metrics
     raw: list[trio.SocketStream] = field(default_factory=list)  # closed before shutdown
@@ -98,8 +98,18 @@ async def live_server(
 
 
 @asynccontextmanager
+async def live_pooling_server(
+    model_dir: Path, *, max_queue: int | None = None, **engine_args: Any
+) -> AsyncIterator[LiveServer]:
+    """As live_server, for an embedding model or a cross-encoder (the pooling engine)."""
+    engine = PoolingEngine(model_dir, EngineConfig(**engine_args))
+    async with _serving(engine, max_queue, None, ServerConfig.max_body_bytes) as server:
+        yield server
+
+
+@asynccontextmanager
 async def _serving(
-    engine: Engine,
+    engine: Engine | PoolingEngine,
     max_queue: int | None,
     api_key: str | None,
     max_body_bytes: int,

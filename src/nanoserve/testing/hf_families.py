@@ -29,6 +29,8 @@ CONFIGS = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "gemma3_text": transformers.Gemma3TextConfig,
+    "mixtral": transformers.MixtralConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
 }
 SMALL = dict(
     vocab_size=1024,
@@ -73,14 +75,14 @@ def _redraw(model: torch.nn.Module, seed: int, gemma: bool = False) -> None:
         if "norm" in name:
             p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
         elif gemma and "embed_tokens" in name:
-            p.copy_(noise / math.sqrt(p.shape[1]))
+            p.copy_(noise / math.sqrt(p.shape[-1]))
         elif name.endswith(".bias"):
             p.copy_(0.1 * noise)
         elif "embed_tokens" in name or "lm_head" in name:
             p.copy_(noise)
         else:
             gain = next((g for key, g in GAINS.items() if key in name), 1.0)
-            p.copy_(gain / math.sqrt(p.shape[1]) * noise)
+            p.copy_(gain / math.sqrt(p.shape[-1]) * noise)  # [experts,] out, in
 
 
 def _copy_tokenizer(path: Path) -> None:

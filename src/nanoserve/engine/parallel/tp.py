@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.memory import check_weights_fit, headroom
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.parallel.channel import (
     GATHERED,
@@ -34,7 +35,7 @@ from nanoserve.engine.parallel.channel import (
     rendezvous,
 )
 from nanoserve.engine.parallel.worker import run_worker
-from nanoserve.model import Checkpoint
+from nanoserve.model import Checkpoint, Parallel, weight_bytes
 
 JOIN_S = 5.0  # at shutdown, time the workers get to stop by themselves before they are killed
 
@@ -82,6 +83,9 @@ class TensorParallelExecutor:
         threads = torch.get_num_threads()
         workers = _Workers([], threads)
         if method != "env://":  # this machine's CPU threads, shared among its ranks
+            if device.type == "cpu":  # each rank reads the whole checkpoint, all at once
+                whole = weight_bytes(checkpoint, config, Parallel(size=size))
+                check_weights_fit(checkpoint.path, size * whole, headroom(), ranks=size)
             share = max(1, threads // size)
             workers.processes = _spawn(model, method, size, share)
             torch.set_num_threads(share)

@@ -62,9 +62,10 @@ class DraftModelProposer:
         num_blocks: int,
         max_model_len: int,
     ):
-        """Load the draft at `path` as the target was loaded (`config`: the target's, dtype
-        resolved), its cache `num_blocks` blocks like the target's. Refuses, naming
-        speculative_config.model, a draft whose vocabulary, tokenizer or context differs."""
+        """Load the draft at `path` as the target was loaded (`config`: the target's, dtype and
+        KV cache dtype resolved), its cache `num_blocks` blocks like the target's. Refuses,
+        naming speculative_config.model, a draft whose vocabulary, tokenizer or context differs,
+        or whose heads a q8_0 cache cannot hold."""
         spec = config.speculative_config
         assert spec is not None
         try:
@@ -72,6 +73,11 @@ class DraftModelProposer:
         except FileNotFoundError as e:
             raise SettingError("speculative_config.model", str(path), f"a model ({e})") from None
         _check_compatible(str(path), checkpoint, target, target_tokenizer, max_model_len)
+        if config.kv_cache_dtype == "q8_0" and checkpoint.config.head_dim % 32:
+            raise SettingError(
+                "speculative_config.model", str(path), "a model whose heads hold q8_0 blocks of "
+                f"32 (kv_cache_dtype q8_0; the draft's head_dim is {checkpoint.config.head_dim})",
+            )  # fmt: skip
         # Under tensor parallelism the draft runs whole in rank 0's process, the engine's.
         draft_config = replace(
             config, speculative_config=None, num_kv_blocks=num_blocks,

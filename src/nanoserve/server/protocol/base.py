@@ -51,6 +51,7 @@ _UNION_TAG = re.compile(r"\W")  # pydantic names union members like "list[str]"
 _SHAPES = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
     "stop": "a string or a list of strings",
+    "input": "a string, a list of strings, a list of token ids or a list of token id lists",
     "content": "a string or a list of text content parts",
 }
 

@@ -1,0 +1,158 @@
+/* The experts' matmul of a mixture-of-experts layer (llama.cpp's MUL_MAT_ID): one call for all of
+ * a step's chosen experts, each multiplying its own rows of x by its own matrix of a 3-D tensor of
+ * GGUF blocks (experts x N x K, expert after expert).
+ *
+ * One call per expert (quant.c's matmul) cost a parallel region per 1-2 rows against a 1 MiB
+ * matrix, each split over the threads: at decode most of the time went in starting and ending
+ * regions and in threads waiting on each other. Here x's rows are quantized once, and one region
+ * splits the work, every (expert, weight, chunk of CHUNK columns) in a row, into one contiguous
+ * share per thread, so that each thread streams its own experts' weights all the time.
+ *
+ * Each output is bitwise quant.c's: the same quantized rows and the same kernels, whose results
+ * do not depend on the columns or rows they are given with (quant.h). The AMX GEMM is not used
+ * (its results are VNNI's, bitwise): its tiles take rows in sixteens, which experts' row ranges
+ * do not start on.
+ */
+#include "quant.h"
+
+#include <omp.h>
+#include <stdlib.h>
+
+/* Columns a unit of work: 64 rows of W (72 KiB of a Q4_K row of 2048), several strips, so that the
+ * GEMV's prefetch of the next strip stays ahead. */
+enum { CHUNK = 64 };
+
+/* The matmul of one group of rows: rows [start, start + count) of the pairs' activations by the
+ * expert's matrix of w (N rows of row_bytes), into rows start.. of out [pairs, N]. */
+static ns_qmm group_matmul(const ns_xq *xq, ns_xq *view, const float *xf, const char *w,
+                           float *out, const int64_t *group, Py_ssize_t N, Py_ssize_t K,
+                           size_t row_bytes) {
+    const Py_ssize_t expert = group[0], start = group[1], count = group[2];
+    *view = *xq;
+    if (xq->q) {
+        view->q = xq->q + start * K;
+        view->dx = xq->dx + start * xq->blocks;
+        view->sx = xq->sx + start * xq->blocks;
+    }
+    const ns_qmm a = {out + start * N, w + (size_t)expert * (size_t)N * row_bytes, view, count,
+                      N, K, N, row_bytes, xf ? xf + start * K : NULL};
+    return a;
+}
+
+/* outs[i] [P, N] float32, row p = x[rows[p]] (x[p] where rows is NULL) times the transpose of
+ * expert e's matrix of ws[i], for each group (e, start, count) of groups [G, 3] and p in
+ * [start, start + count); x [T, K] float32. 0, or -1 when out of memory. */
+static int quant_experts(float *const outs[], const char *const ws[], int nw, const float *x,
+                         Py_ssize_t T, const int64_t *rows, Py_ssize_t P, const int64_t *groups,
+                         Py_ssize_t G, Py_ssize_t N, Py_ssize_t K, const ns_block_format *f,
+                         int num_threads) {
+    int path = ns_quant_path();
+    if (path == NS_AMX) path = NS_AVX512_VNNI;
+    const uint8_t *order = path == NS_PORTABLE ? NULL : f->pairs;
+    const ns_matmul_fn kernel = ns_path_kernel(f, path);
+    const size_t row_bytes = (size_t)(K / ns_block_values(f)) * f->block_bytes;
+    /* The pairs' activations: x's rows quantized once each (xt), then gathered per pair (xq). A
+     * float_x format gathers x's floats (xf) instead. */
+    ns_xq xt = {0}, xq = {0};
+    void *base_t = NULL, *base_q = NULL;
+    float *xf = NULL;
+    if (f->float_x) {
+        if (rows && !(xf = malloc((size_t)(P * K) * sizeof(float)))) return -1;
+    } else if (!(base_q = ns_xq_alloc(&xq, P, K, 0)) ||
+               (rows && !(base_t = ns_xq_alloc(&xt, T, K, 0)))) {
+        free(base_q);
+        return -1;
+    }
+    const Py_ssize_t chunks = (N + CHUNK - 1) / CHUNK, units = G * nw * chunks;
+    const Py_ssize_t blocks = K / QK;
+#pragma omp parallel num_threads(num_threads)
+    {
+        if (f->float_x && rows) {
+#pragma omp for schedule(static)
+            for (Py_ssize_t p = 0; p < P; p++)
+                memcpy(xf + p * K, x + rows[p] * K, (size_t)K * sizeof(float));
+        } else if (!f->float_x && !rows) {
+#pragma omp for schedule(static)
+            for (Py_ssize_t p = 0; p < P; p++) ns_quantize_x_row(&xq, order, x, p);
+        } else if (!f->float_x) {
+#pragma omp for schedule(static)
+            for (Py_ssize_t t = 0; t < T; t++) ns_quantize_x_row(&xt, order, x, t);
+#pragma omp for schedule(static)
+            for (Py_ssize_t p = 0; p < P; p++) {
+                const Py_ssize_t t = rows[p];
+                memcpy(xq.q + p * K, xt.q + t * K, (size_t)K * sizeof(int16_t));
+                memcpy(xq.dx + p * blocks, xt.dx + t * blocks, (size_t)blocks * sizeof(float));
+                memcpy(xq.sx + p * blocks, xt.sx + t * blocks, (size_t)blocks * sizeof(float));
+            }
+        }
+        /* A contiguous range of units per thread: (group, weight, chunk), chunk fastest. */
+        const Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const float *xs = f->float_x ? (rows ? xf : x) : NULL;
+        for (Py_ssize_t u = units * t / nt; u < units * (t + 1) / nt; u++) {
+            const Py_ssize_t g = u / (nw * chunks), i = u / chunks % nw, c = u % chunks;
+            ns_xq view;
+            const ns_qmm a = group_matmul(&xq, &view, xs, ws[i], outs[i], groups + 3 * g, N, K,
+                                          row_bytes);
+            const Py_ssize_t n1 = (c + 1) * CHUNK < N ? (c + 1) * CHUNK : N;
+            if (a.M > 0) kernel(&a, c * CHUNK, n1);
+        }
+    }
+    free(base_t);
+    free(base_q);
+    free(xf);
+    return 0;
+}
+
+PyObject *nanoserve_py_quant_experts(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *kwlist[] = {"outs", "ws", "x", "T", "rows", "P", "groups", "G", "E", "N", "K",
+                             "qtype", "num_threads", NULL};
+    PyObject *outs_obj, *ws_obj;
+    unsigned long long x, rows, groups;
+    Py_ssize_t T, P, G, E, N, K;
+    int qtype, num_threads;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!KnKnKnnnnii", kwlist, &PyTuple_Type,
+                                     &outs_obj, &PyTuple_Type, &ws_obj, &x, &T, &rows, &P,
+                                     &groups, &G, &E, &N, &K, &qtype, &num_threads))
+        return NULL;
+    const ns_block_format *f = ns_block_format_of(qtype);
+    const Py_ssize_t nw = PyTuple_GET_SIZE(ws_obj);
+    if (!f || nw < 1 || nw > 2 || PyTuple_GET_SIZE(outs_obj) != nw || T < 0 || P < 0 || G < 0 ||
+        E < 1 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1) {
+        PyErr_Format(PyExc_ValueError, "quant_experts: qtype code %d, %zd weights, [T, P, G, E, N, "
+                     "K] = [%zd, %zd, %zd, %zd, %zd, %zd] or num_threads %d out of range", qtype,
+                     nw, T, P, G, E, N, K, num_threads);
+        return NULL;
+    }
+    float *outs[2];
+    const char *ws[2];
+    for (Py_ssize_t i = 0; i < nw; i++) {
+        outs[i] = (float *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(outs_obj, i));
+        ws[i] = (const char *)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ws_obj, i));
+    }
+    if (PyErr_Occurred()) return NULL;
+    /* The groups and rows index memory: checked here, so that a bad one is an error, not a crash. */
+    const int64_t *g = (const int64_t *)(uintptr_t)groups, *r = (const int64_t *)(uintptr_t)rows;
+    for (Py_ssize_t i = 0; i < G; i++)
+        if (g[3 * i] < 0 || g[3 * i] >= E || g[3 * i + 1] < 0 || g[3 * i + 2] < 0 ||
+            g[3 * i + 1] + g[3 * i + 2] > P) {
+            PyErr_Format(PyExc_ValueError, "quant_experts: group %zd (expert %lld, start %lld, "
+                         "count %lld) outside %zd experts or %zd pairs", i, (long long)g[3 * i],
+                         (long long)g[3 * i + 1], (long long)g[3 * i + 2], E, P);
+            return NULL;
+        }
+    for (Py_ssize_t p = 0; r && p < P; p++)
+        if (r[p] < 0 || r[p] >= T) {
+            PyErr_Format(PyExc_ValueError, "quant_experts: rows[%zd] = %lld outside x's %zd rows",
+                         p, (long long)r[p], T);
+            return NULL;
+        }
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    if (P > 0 && N > 0)
+        rc = quant_experts(outs, ws, (int)nw, (const float *)(uintptr_t)x, T, r, P, g, G, N, K, f,
+                           num_threads);
+    Py_END_ALLOW_THREADS;
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}

@@ -1,0 +1,153 @@
+"""BERT-family encoders (`BertModel`, and `BertForSequenceClassification` for cross-encoders) as
+straight-line tensor code over packed sequences: word + absolute position + token-type
+embeddings, then layers of bidirectional attention (each sequence attends to itself alone: no
+padding, no mask) and a GELU MLP, each followed by a residual LayerNorm (post-norm). Its config
+is read in bert_config.py. Owns its weights; no KV cache: an encoder's forward keeps nothing.
+
+Batch invariance: a sequence's vector is bitwise the same alone or in any batch. Attention,
+LayerNorm and the activation work row by row or sequence by sequence; a CPU matmul does not (its
+result for a row changes with the number of rows: another kernel, another summation order), so
+every matmul runs on tiles of a fixed TILE_ROWS rows, the last one padded: the same shapes
+whatever the batch, and a row's sums never depend on the others' (tests/test_embeddings.py). The
+tiles go to oneDNN with each weight prepacked once (model/linear.py), for its packing's row
+count. Invariance has a price in throughput against one matmul over the batch, measured by
+bench/bench_embedding_tiles.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model.bert_config import BertConfig
+from nanoserve.model.config import CheckpointError, read_json
+from nanoserve.model.linear import PACK_ROWS_HINT, Linear
+from nanoserve.model.loader import read_checkpoint
+
+# config.json's hidden_act -> the activation transformers' ACT2FN computes for it.
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+# Rows of each matmul call: the rows oneDNN's packed weights are blocked for.
+TILE_ROWS = PACK_ROWS_HINT
+
+
+@dataclass
+class BertLayer:
+    qkv: Linear  # [3 * hidden, hidden]: query, key, value fused at load
+    qkv_bias: torch.Tensor
+    o: Linear  # [hidden, hidden]
+    o_bias: torch.Tensor
+    attn_norm: tuple[torch.Tensor, torch.Tensor]  # LayerNorm weight, bias
+    up: Linear  # [intermediate, hidden]
+    up_bias: torch.Tensor
+    down: Linear  # [hidden, intermediate]
+    down_bias: torch.Tensor
+    mlp_norm: tuple[torch.Tensor, torch.Tensor]
+
+
+class Bert:
+    def __init__(self, path: str | Path, dtype: torch.dtype) -> None:
+        """The encoder of a checkpoint directory, its weights in `dtype` on the CPU."""
+        path = Path(path)
+        try:
+            self.config = c = BertConfig.from_dict(read_json(path / "config.json"))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+        w = {_strip(k): t for k, t in read_checkpoint(path, dtype).items()}
+        try:
+            self.word, self.position = (
+                w["embeddings.word_embeddings.weight"],
+                w["embeddings.position_embeddings.weight"],
+            )
+            self.token_type = w["embeddings.token_type_embeddings.weight"]
+            self.embed_norm = _norm(w, "embeddings.LayerNorm")
+            self.layers = [_layer(w, f"encoder.layer.{i}.") for i in range(c.num_layers)]
+            self.classifier = None
+            if c.num_labels:  # BERT's pooler (tanh of a dense of [CLS]), then the classifier
+                self.classifier = (
+                    Linear(w["pooler.dense.weight"]), w["pooler.dense.bias"],
+                    Linear(w["classifier.weight"]), w["classifier.bias"],
+                )  # fmt: skip
+        except KeyError as e:
+            raise CheckpointError(f"{path}: checkpoint has no tensor {e.args[0]}") from None
+        self.act = ACTIVATIONS[c.hidden_act]
+
+    def forward(self, ids: torch.Tensor, types: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The last hidden states [num_tokens, hidden] of packed sequences: `ids` and `types`
+        [num_tokens], each sequence's positions from 0; `lengths` partition the rows."""
+        c = self.config
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        h = self.word[ids] + self.token_type[types] + self.position[positions]
+        h = _layer_norm(h, self.embed_norm, c.layer_norm_eps)
+        heads, head_dim = c.num_heads, c.hidden_size // c.num_heads
+        for layer in self.layers:
+            qkv = _linear(h, layer.qkv, layer.qkv_bias)
+            a = torch.empty_like(h)
+            start = 0
+            for n in lengths:  # each sequence attends to itself: [heads, n, head_dim]
+                q, k, v = qkv[start : start + n].view(n, 3, heads, head_dim).permute(1, 2, 0, 3)
+                out = F.scaled_dot_product_attention(q, k, v)
+                a[start : start + n] = out.transpose(0, 1).reshape(n, c.hidden_size)
+                start += n
+            h = _layer_norm(h + _linear(a, layer.o, layer.o_bias), layer.attn_norm,
+                            c.layer_norm_eps)  # fmt: skip
+            up = self.act(_linear(h, layer.up, layer.up_bias))
+            h = _layer_norm(h + _linear(up, layer.down, layer.down_bias), layer.mlp_norm,
+                            c.layer_norm_eps)  # fmt: skip
+        return h
+
+    def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
+        """The classifier's logits [rows, num_labels] (float32) from the [CLS] rows' states."""
+        assert self.classifier is not None
+        pool_w, pool_b, w, b = self.classifier
+        return _linear(torch.tanh(_linear(first_rows, pool_w, pool_b)), w, b).float()
+
+
+def _linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T + bias in tiles of TILE_ROWS rows (see the module's docstring)."""
+    n = x.shape[0]
+    pad = -n % TILE_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = torch.cat([weight(tile) for tile in x.split(TILE_ROWS)])
+    return out[:n].add_(bias)
+
+
+def _strip(name: str) -> str:
+    """A classifier checkpoint's encoder tensors are under bert.; BertModel's are not."""
+    return name.removeprefix("bert.")
+
+
+def _norm(w: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return w[prefix + ".weight"], w[prefix + ".bias"]
+
+
+def _layer(w: dict[str, torch.Tensor], p: str) -> BertLayer:
+    attn = p + "attention.self."
+    return BertLayer(
+        qkv=Linear(torch.cat([w[attn + x + ".weight"] for x in ("query", "key", "value")])),
+        qkv_bias=torch.cat([w[attn + x + ".bias"] for x in ("query", "key", "value")]),
+        o=Linear(w[p + "attention.output.dense.weight"]),
+        o_bias=w[p + "attention.output.dense.bias"],
+        attn_norm=_norm(w, p + "attention.output.LayerNorm"),
+        up=Linear(w[p + "intermediate.dense.weight"]),
+        up_bias=w[p + "intermediate.dense.bias"],
+        down=Linear(w[p + "output.dense.weight"]),
+        down_bias=w[p + "output.dense.bias"],
+        mlp_norm=_norm(w, p + "output.LayerNorm"),
+    )
+
+
+def _layer_norm(
+    x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor], eps: float
+) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], norm[0], norm[1], eps)

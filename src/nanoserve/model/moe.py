@@ -1,0 +1,148 @@
+"""A sparse mixture-of-experts block in place of a layer's MLP (Qwen3-MoE, Mixtral), computed as
+transformers computes it: the router's logits in the activations' dtype, their softmax in float32,
+the top k experts of each token (torch.topk: at equal scores the lower index first), their
+weights renormalized to sum to 1 where the config says (Mixtral always), and the sum of the
+chosen experts' SwiGLU outputs times their weights, added up expert after expert.
+
+A step's tokens are grouped by expert (the token-expert pairs sorted by expert), so that each
+chosen expert multiplies all its tokens in one matmul: its weights are read once a step, not once
+a token. The experts' weights stay as they were stored: one 3-D float tensor, or one run of GGUF
+blocks (expert e's rows a 2-D slice at a byte offset, multiplied by the quantized kernels with
+no de-quantized copy). Experts in blocks take one C call per projection for all the chosen
+experts (kernels.expert_linear, llama.cpp's MUL_MAT_ID; gate and up in one): at decode a call per
+expert (1-2 rows against a 1 MiB matrix, each its own parallel region) cost most of the step.
+Owns nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import (
+    QuantizedWeight,
+    aligned_bytes,
+    expert_linear,
+    quantized_linear,
+    small_linear,
+)
+
+
+class Experts:
+    """One matrix per expert: a float tensor [experts, rows, columns], or GGUF blocks of
+    [experts * rows, columns] (llama.cpp's 3-D tensor, expert after expert)."""
+
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, num_experts: int) -> None:
+        self.weight = weight
+        self.num_experts = num_experts
+        self.each: list[torch.Tensor] | list[QuantizedWeight]
+        # Floats on a CPU: the C GEMV for up to 4 rows (memory speed, and each row's result
+        # independent of the others': a speculative verification's rows stay one-token steps).
+        self.gemv = False
+        if isinstance(weight, QuantizedWeight):
+            rows = weight.shape[0] // num_experts
+            self.each = [_slice(weight, e * rows, rows) for e in range(num_experts)]
+        else:
+            self.each = list(weight.unbind(0))  # views
+            self.gemv = weight.is_cpu and weight.dtype in (torch.float32, torch.bfloat16)
+
+    def __call__(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x @ expert's matrix.T."""
+        w = self.each[expert]
+        if isinstance(w, QuantizedWeight):
+            return quantized_linear(x.float().contiguous(), w)
+        return small_linear(x.contiguous(), w) if self.gemv else F.linear(x, w)
+
+
+def _slice(w: QuantizedWeight, start: int, rows: int) -> QuantizedWeight:
+    """Rows [start, start + rows) of a matrix in blocks: a view of its bytes, or a copy where the
+    slice does not start on the kernels' 64-byte boundary (an expert whose bytes are no multiple
+    of 64: rare, and the copy is of the same blocks)."""
+    data = w.data[start : start + rows]
+    if data.data_ptr() % 64:
+        data = aligned_bytes(data)
+    return QuantizedWeight(data, w.qtype, (rows, w.shape[1]))
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, top_k] float32, experts [tokens, top_k]) of router logits."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def sparse_moe(
+    x: torch.Tensor,
+    router: Callable[[torch.Tensor], torch.Tensor],
+    gate: Experts,
+    up: Experts,
+    down: Experts,
+    top_k: int,
+    normalize: bool,
+    weights_in_float32: bool,
+    one_call: bool = True,
+) -> torch.Tensor:
+    """The block's output [tokens, hidden] for x [tokens, hidden]. `weights_in_float32`: the
+    experts' outputs are weighted in float32 and rounded once (Mixtral's router keeps float32
+    weights); else the weights are rounded to x's dtype first (Qwen3-MoE's). `one_call`: experts
+    in blocks take one C call per projection (False: one per expert, for bench/bench_moe.py to
+    measure beside it; the same outputs, bitwise)."""
+    logits = router(x)
+    weights, experts = route(logits, top_k, normalize)
+    if not weights_in_float32:
+        weights = weights.to(logits.dtype)
+    # The token-expert pairs sorted by expert (stable: each expert's tokens in their order).
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate.num_experts).tolist()
+    tokens = order // top_k
+    pair_weights = weights.flatten()[order].unsqueeze(-1)
+    out = torch.zeros_like(x)
+    if one_call and all(isinstance(m.weight, QuantizedWeight) for m in (gate, up, down)):
+        y = (_in_blocks(x, gate, up, down, tokens, counts).to(x.dtype) * pair_weights).to(x.dtype)
+        if x.dtype == torch.float32:
+            return out.index_add_(0, tokens, y)
+        # In 16 bits one index_add_ would sum a token's experts in float32 and round once;
+        # transformers rounds after each expert.
+        for start, n in zip(itertools.accumulate(counts, initial=0), counts, strict=False):
+            if n:
+                out.index_add_(0, tokens[start : start + n], y[start : start + n])
+        return out
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        xs = x[rows]
+        h = F.silu(gate(expert, xs)) * up(expert, xs)
+        y = down(expert, h.to(x.dtype)).to(x.dtype) * pair_weights[start : start + n]
+        out.index_add_(0, rows, y.to(x.dtype))
+        start += n
+    return out
+
+
+def _in_blocks(
+    x: torch.Tensor,
+    gate: Experts,
+    up: Experts,
+    down: Experts,
+    tokens: torch.Tensor,
+    counts: list[int],
+) -> torch.Tensor:
+    """The chosen experts' outputs [pairs, hidden] float32 for the token-expert pairs sorted by
+    expert (pair p is token tokens[p]'s, counts[e] pairs expert e's), as Experts.__call__ gives
+    them expert after expert: gate and up in one call, SiLU * up rounded to x's dtype, down."""
+    starts = itertools.accumulate(counts, initial=0)
+    groups = torch.tensor(
+        [(e, start, n) for e, (start, n) in enumerate(zip(starts, counts, strict=False)) if n],
+        dtype=torch.int64,
+    ).reshape(-1, 3)
+    xf = x.float().contiguous()
+    g, u = expert_linear(xf, [gate.weight, up.weight], gate.num_experts, groups, tokens)
+    h = (F.silu(g) * u).to(x.dtype).float().contiguous()
+    return expert_linear(h, [down.weight], down.num_experts, groups)[0]

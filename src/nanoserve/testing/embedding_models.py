@@ -1,0 +1,118 @@
+"""Tiny random embedding checkpoints written by transformers and sentence-transformers: a BERT
+encoder with a WordPiece tokenizer (`write_bert`), the same as a cross-encoder
+(`BertForSequenceClassification`, `write_cross_encoder`), and a Qwen3 decoder saved as a
+sentence-transformers model with last-token pooling (`write_decoder_embedding`). Each directory
+loads in sentence-transformers, the oracle of the embedding tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from sentence_transformers import CrossEncoder, SentenceTransformer
+from sentence_transformers.base.modules import Normalize, Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import WordPiece
+
+from nanoserve.testing.hf_families import write_family_checkpoint
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+_TEXT = (
+    "the a of to and in is it that for on with as was at by an be this are from or have not "
+    "what which who when where why how paris france capital city river sea tide moon sun rain "
+    "cat dog bird fish tree house car road book word model vector query document rank score"
+)
+WORDS = _TEXT.split()
+BERT = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+    max_position_embeddings=128, type_vocab_size=2,
+)  # fmt: skip
+
+
+def bert_tokenizer() -> Tokenizer:
+    """WordPiece over the specials, the letters (with ## continuations) and WORDS, lower-cased
+    as BERT's uncased tokenizers are; pairs get token types 0 and 1."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,?!'")
+    vocab = [*SPECIALS, *letters, *("##" + c for c in letters), *WORDS]
+    tok = Tokenizer(WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    cls, sep = vocab.index("[CLS]"), vocab.index("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )  # fmt: skip
+    return tok
+
+
+def _save_bert(path: Path, architecture: str, seed: int, **config: Any) -> Path:
+    tok = bert_tokenizer()
+    cfg = transformers.BertConfig(vocab_size=tok.get_vocab_size(), **{**BERT, **config})
+    torch.manual_seed(seed)
+    cls = getattr(transformers, architecture)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # transformers' init leaves LayerNorms at 1 and 0: make them matter
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.startswith("classifier"):  # scores that differ from pair to pair
+                p.mul_(10.0)
+    model.save_pretrained(path)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+        sep_token="[SEP]", mask_token="[MASK]", model_max_length=cfg.max_position_embeddings,
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )  # fmt: skip
+    fast.save_pretrained(path)
+    return path
+
+
+def write_bert(
+    path: Path, pooling: str = "mean", normalize: bool = True, seed: int = 0, **config: Any
+) -> Path:
+    """A random BertModel as a sentence-transformers model: Transformer, Pooling (`pooling`:
+    cls, mean or lasttoken) and, with `normalize`, Normalize. `config`: BertConfig fields (a
+    key of config.json, e.g. matryoshka_dimensions, is written as given)."""
+    raw = _save_bert(path / "raw", "BertModel", seed, **config)
+    _as_sentence_transformer(raw, path, pooling, normalize)
+    return path
+
+
+def write_cross_encoder(path: Path, seed: int = 0, **config: Any) -> Path:
+    """A random BertForSequenceClassification with one label, saved as CrossEncoder saves it."""
+    raw = _save_bert(path / "raw", "BertForSequenceClassification", seed, num_labels=1, **config)
+    CrossEncoder(str(raw), device="cpu").save(str(path))
+    return path
+
+
+def write_decoder_embedding(path: Path, seed: int = 0, **config: Any) -> Path:
+    """A random Qwen3 decoder as a sentence-transformers model: last-token pooling, normalized
+    (Qwen3-Embedding's modules)."""
+    raw = write_family_checkpoint(path / "raw", "qwen3", seed, **config)
+    # Without a chat template sentence-transformers encodes plain text, as Qwen3-Embedding's own
+    # files have it; its batches need a padding token.
+    (raw / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((raw / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    tokenizer_config["pad_token"] = tokenizer_config.get("eos_token") or "<|endoftext|>"
+    (raw / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    _as_sentence_transformer(raw, path, "lasttoken", True)
+    return path
+
+
+def _as_sentence_transformer(raw: Path, path: Path, pooling: str, normalize: bool) -> None:
+    transformer = Transformer(str(raw))
+    dim = transformer.get_embedding_dimension()
+    modules: list[Any] = [transformer, Pooling(dim, pooling_mode=pooling)]
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, device="cpu").save(str(path))
+    extra = json.loads((raw / "config.json").read_text())
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**extra, **config}, indent=2))
