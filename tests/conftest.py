@@ -45,13 +45,14 @@ async def client(server):
 def embedding_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`factory(kind, **kwargs) -> Path`: a tiny random embedding checkpoint written by
     transformers and sentence-transformers (nanoserve.testing.embedding_models; kind: bert,
-    cross_encoder or decoder); the same arguments give the same directory."""
+    cross_encoder, decoder or qwen3_reranker); the same arguments give the same directory."""
     from nanoserve.testing import embedding_models
 
     writers = {
         "bert": embedding_models.write_bert,
         "cross_encoder": embedding_models.write_cross_encoder,
         "decoder": embedding_models.write_decoder_embedding,
+        "qwen3_reranker": embedding_models.write_qwen3_reranker,
     }
     cache: dict[str, Path] = {}
 

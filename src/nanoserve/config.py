@@ -160,15 +160,8 @@ class SpeculativeConfig:
         name = "speculative_config"
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise SettingError(name, value, f"a JSON object ({e})") from None
-        if not isinstance(value, dict):
-            raise SettingError(name, value, "a JSON object (a dict)")
         keys = {f.name for f in fields(cls)}
-        values = dict(value)
+        values = _json_object(name, value)
         unknown = sorted(set(values) - keys)
         if unknown:
             raise SettingError(
@@ -202,6 +195,56 @@ class SpeculativeConfig:
                 f"<= prompt_lookup_max ({spec.prompt_lookup_max})",
             )  # fmt: skip
         return spec
+
+
+# What --hf-overrides may say: vLLM's keys for serving the original Qwen3-Reranker (a causal LM)
+# as a one-label classifier, its weight the "yes" row of the LM head less the "no" row.
+QWEN3_RERANKER = "Qwen3ForSequenceClassification"
+
+
+@dataclass(frozen=True)
+class HfOverrides:
+    """vLLM's `hf_overrides`, the one use implemented: `{"architectures": [QWEN3_RERANKER],
+    "classifier_from_token": [FALSE, TRUE], "is_original_qwen3_reranker": true}` (the score is
+    sigmoid(logit(TRUE) - logit(FALSE)) at the last token). Any other key or value is refused."""
+
+    classifier_from_token: tuple[str, str]
+
+    @classmethod
+    def parse(cls, value: Any) -> HfOverrides:
+        """From a dict, or its JSON text (the command line's); SettingError names the bad key."""
+        if isinstance(value, HfOverrides):
+            return value
+        name, values = "hf_overrides", _json_object("hf_overrides", value)
+        known = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise SettingError(f"{name}.{unknown[0]}", values[unknown[0]], "absent: the "
+                               "implemented keys are " + ", ".join(known))  # fmt: skip
+        if values.get("architectures") != [QWEN3_RERANKER]:
+            raise SettingError(name + ".architectures", values.get("architectures"),
+                               f'["{QWEN3_RERANKER}"]')  # fmt: skip
+        if values.get("is_original_qwen3_reranker") is not True:
+            raise SettingError(name + ".is_original_qwen3_reranker",
+                               values.get("is_original_qwen3_reranker"), "true")  # fmt: skip
+        tokens = values.get("classifier_from_token")
+        if not (isinstance(tokens, list) and len(tokens) == 2
+                and all(isinstance(t, str) and t for t in tokens)):  # fmt: skip
+            raise SettingError(name + ".classifier_from_token", tokens,
+                               'two tokens, the false one first: ["no", "yes"]')  # fmt: skip
+        return cls((tokens[0], tokens[1]))
+
+
+def _json_object(name: str, value: Any) -> dict[str, Any]:
+    """A setting's dict, given as one or as its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SettingError(name, value, f"a JSON object ({e})") from None
+    if not isinstance(value, dict):
+        raise SettingError(name, value, "a JSON object (a dict)")
+    return dict(value)
 
 
 @dataclass(frozen=True)
@@ -307,6 +350,12 @@ class EngineConfig:
         "embeddings (last-token pooling, normalized, unless its sentence-transformers files say "
         "otherwise; implies --runner pooling)", choices=CONVERTS,
     )  # fmt: skip
+    hf_overrides: HfOverrides | None = setting(
+        None, "as vLLM's --hf-overrides (JSON), for the original Qwen3-Reranker only: "
+        '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", '
+        '"yes"], "is_original_qwen3_reranker": true} serves it on /v1/rerank and /v1/score '
+        "(implies --runner pooling)", unset="none",
+    )  # fmt: skip
     speculative_config: SpeculativeConfig | None = setting(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, '
         '"prompt_lookup_max": N, "prompt_lookup_min": M}, or a draft model: {"model": PATH, '
@@ -317,6 +366,8 @@ class EngineConfig:
         if self.speculative_config is not None:  # a dict or JSON text becomes the typed config
             spec = SpeculativeConfig.parse(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)
+        if self.hf_overrides is not None:
+            object.__setattr__(self, "hf_overrides", HfOverrides.parse(self.hf_overrides))
         check(self)
         if self.device == "cpu" and self.dtype == "float16":
             raise SettingError("dtype", self.dtype, "float32, bfloat16 or auto on the CPU")

@@ -31,7 +31,9 @@ from nanoserve.model import (
     Bert,
     DecoderEmbeddingCheckpoint,
     Llama,
+    classifier_head,
     is_encoder,
+    is_sequence_classifier,
     load_model,
     pool,
     read_pooling,
@@ -71,11 +73,16 @@ class _Waiting:
 
 
 def runs_pooling(model: str | Path, config: EngineConfig) -> bool:
-    """Whether `model` is served by the pooling engine: an encoder (unless --runner generate,
-    refused), or any model under --runner pooling or --convert embed."""
-    encoder = Path(model).is_dir() and is_encoder(model)
+    """Whether `model` is served by the pooling engine: an encoder or a classifier (a decoder
+    with a classification head, or the original Qwen3-Reranker under hf_overrides), unless
+    --runner generate (refused); or any model under --runner pooling or --convert embed."""
+    is_dir = Path(model).is_dir()
+    encoder = is_dir and (is_encoder(model) or is_sequence_classifier(model))
+    if config.hf_overrides is not None:
+        encoder = True
     if encoder and config.runner == "generate":
-        raise SettingError("runner", "generate", "auto or pooling for an encoder (BERT)")
+        raise SettingError("runner", "generate", "auto or pooling for an encoder (BERT) or "
+                           "a classifier (a reranker)")  # fmt: skip
     if config.convert == "embed" and config.runner == "generate":
         raise SettingError("convert", "embed", "none or auto with --runner generate")
     if not encoder and config.runner == "pooling" and config.convert == "none":
@@ -99,12 +106,13 @@ class PoolingEngine:
             raise ValueError(f"{model}: the pooling runner takes Hugging Face directories")
         self.encoder: Bert | None = None
         self.decoder: Llama | None = None
+        self.head: torch.Tensor | None = None  # a decoder's classification head, if any
+        self.tokenizer = Tokenizer.from_dir(path)
         positions = (
             self._load_encoder(path, config)
             if is_encoder(path)
             else self._load_decoder(path, config)
         )
-        self.tokenizer = Tokenizer.from_dir(path)
         limits = [positions, config.max_model_len, self.pooling.max_seq_length]
         self.max_model_len = min(n for n in limits if n)
         self.num_blocks = 0  # no KV pool
@@ -115,6 +123,9 @@ class PoolingEngine:
 
     def _load_encoder(self, path: Path, config: EngineConfig) -> int:
         """A BERT encoder (float32 for dtype auto); its positions."""
+        if config.hf_overrides is not None:
+            raise SettingError("hf_overrides", config.hf_overrides,
+                               "absent for an encoder (BERT)")  # fmt: skip
         if config.quantization not in ("auto", "none"):
             raise SettingError("quantization", config.quantization,
                                "auto or none for an encoder (floats only)")  # fmt: skip
@@ -129,15 +140,17 @@ class PoolingEngine:
         return encoder.config.max_position_embeddings
 
     def _load_decoder(self, path: Path, config: EngineConfig) -> int:
-        """A decoder for its hidden states (dtype auto as for generation); its positions."""
+        """A decoder for its hidden states, or with a classification head (dtype auto as for
+        generation); its positions."""
+        self.head = classifier_head(path, config.hf_overrides, self.tokenizer)
         checkpoint = DecoderEmbeddingCheckpoint(path)
         self.config = resolve_dtype(config, checkpoint)
         positions = config.max_model_len or checkpoint.config.max_position_embeddings
         self.decoder = load_model(checkpoint, self.config, torch.device("cpu"), SINGLE, positions)
         self.vocab_size = checkpoint.config.vocab_size
         self.pooling = read_pooling(path, "lasttoken")
-        self.classifies = False
-        self.num_labels = 0
+        self.classifies = self.head is not None
+        self.num_labels = 0 if self.head is None else self.head.shape[0]
         self.dimension = checkpoint.config.hidden_size
         return positions
 
@@ -153,6 +166,25 @@ class PoolingEngine:
         self._check(token_ids, field)
         return PoolingInput(token_ids)
 
+    def admit_text(
+        self, text: str, field: str, truncate: int | None = None, prompt_name: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> PoolingInput:  # fmt: skip
+        """A text encoded as sentence-transformers encodes it (`prompt_name`'s prompt, else the
+        default one, first; lower-cased where the checkpoint says), then admitted."""
+        text = self._prompt(prompt_name) + text
+        text = text.lower() if self.pooling.lower_case else text
+        return self.admit(self.tokenizer.encode(text, add_special_tokens), field, truncate)
+
+    def _prompt(self, name: str | None) -> str:
+        if name is None:
+            return self.pooling.default_prompt
+        if name not in self.pooling.prompts:
+            known = ", ".join(self.pooling.prompts) or "none"
+            raise RequestRejected(f"prompt_name {name!r} is not one of this model's prompts "
+                                  f"({known})", "prompt_name")  # fmt: skip
+        return self.pooling.prompts[name]
+
     def _keep(self, truncate: int | None) -> int | None:
         """The tokens truncate_prompt_tokens keeps (-1: the context), or None."""
         if truncate is None:
@@ -162,9 +194,14 @@ class PoolingEngine:
     def admit_pair(
         self, first: str, second: str, field: str, truncate: int | None = None
     ) -> PoolingInput:
-        """A cross-encoder's pair, encoded as the tokenizer encodes pairs (token types 0, 1);
-        `truncate` keeps the first tokens (the query and what fits of the document, then the
-        final separator: transformers' longest_first truncation of a short query)."""
+        """A cross-encoder's pair, encoded as the tokenizer encodes pairs (token types 0, 1; a
+        decoder's: one after the other), the default prompt first, lower-cased where the
+        checkpoint says; `truncate` keeps the first tokens (the query and what fits of the
+        document, then the final token: transformers' longest_first truncation of a short
+        query)."""
+        first = self.pooling.default_prompt + first
+        if self.pooling.lower_case:
+            first, second = first.lower(), second.lower()
         ids, types = self.tokenizer.encode_pair(first, second)
         keep = self._keep(truncate)
         if keep is not None and len(ids) > keep:
@@ -262,11 +299,16 @@ class PoolingEngine:
             h = self.encoder.forward(ids, types, lengths)
             if self.classifies:
                 starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
-                logits = self.encoder.classify(h[starts])
-                return torch.sigmoid(logits) if self.pooling.activation == "sigmoid" else logits
+                return self._activate(self.encoder.classify(h[starts]))
         else:
             h = self._decoder_hidden(inputs)
+            if self.head is not None:  # the last token's state, as transformers' classifier
+                ends = torch.tensor(lengths).cumsum(0) - 1
+                return self._activate(h[ends].float() @ self.head.T)
         return pool(h, lengths, self.pooling)
+
+    def _activate(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(logits) if self.pooling.activation == "sigmoid" else logits
 
     def _decoder_hidden(self, inputs: list[PoolingInput]) -> torch.Tensor:
         """The decoder's final (normed) hidden states of the packed inputs, through its prefill

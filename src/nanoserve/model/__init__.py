@@ -15,6 +15,8 @@ _FACE = {  # name: the module of this package that defines it
     "Bert": "bert",
     "is_encoder": "bert_config",
     "DecoderEmbeddingCheckpoint": "decoder_embedding",
+    "classifier_head": "decoder_classifier",
+    "is_sequence_classifier": "decoder_classifier",
     "Pooling": "pooling",
     "pool": "pooling",
     "read_pooling": "pooling",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanoserve.model.config import BARE_DECODERS, CheckpointError, ModelConfig, read_json
+from nanoserve.model.config import POOLING_DECODERS, CheckpointError, ModelConfig, read_json
 
 ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")  # hidden_act
@@ -69,14 +69,15 @@ class BertConfig:
 
 def check_checkpoint_config(path: Path) -> None:
     """A checkpoint directory's config.json checked as its kind's: a BERT encoder's, an
-    embedding model's bare decoder's, or a decoder's; CheckpointError naming the file."""
+    embedding model's bare decoder's, a sequence classifier's decoder's, or a decoder's;
+    CheckpointError naming the file."""
     data = read_json(path / "config.json")
     architecture = (data.get("architectures") or [None])[0]
     try:
         if is_encoder(path):
             BertConfig.from_dict(data)
-        elif architecture in BARE_DECODERS:
-            ModelConfig.from_dict({**data, "architectures": [BARE_DECODERS[architecture]]})
+        elif architecture in POOLING_DECODERS:
+            ModelConfig.from_dict({**data, "architectures": [POOLING_DECODERS[architecture]]})
         else:
             ModelConfig.from_dir(path)
     except CheckpointError:

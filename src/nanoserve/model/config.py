@@ -36,6 +36,10 @@ SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # computation up to the final norm (model/decoder_embedding.py).
 BARE_DECODERS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
                  "Qwen3Model": "Qwen3ForCausalLM"}  # fmt: skip
+# Decoders with a classification head (a Qwen3-Reranker converted to one label): their causal
+# LM's computation up to the final norm, then the head (model/decoder_classifier.py).
+SEQUENCE_CLASSIFIERS = {"Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
+POOLING_DECODERS = {**BARE_DECODERS, **SEQUENCE_CLASSIFIERS}
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 

@@ -2,7 +2,9 @@
 its final hidden states are what is used, never its logits. Such checkpoints are often saved from
 the bare decoder (`Qwen3Model`: tensors without the `model.` prefix, no `lm_head`), so this
 checkpoint names the tensors as the causal LM's and ties the absent head to the embedding (it is
-never multiplied). Otherwise the decoder's own checkpoint (model/checkpoint.py).
+never multiplied). A sequence classifier's (Qwen3ForSequenceClassification) is its decoder's
+with a `score` head, read apart (model/decoder_classifier.py). Otherwise the decoder's own
+checkpoint (model/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 
 from nanoserve.model.checkpoint import HFCheckpoint
-from nanoserve.model.config import BARE_DECODERS, CheckpointError, ModelConfig, read_json
+from nanoserve.model.config import POOLING_DECODERS, CheckpointError, ModelConfig, read_json
 from nanoserve.model.loader import checkpoint_files, read_checkpoint
 from nanoserve.model.quantized import Weight
 from nanoserve.tokenizer import Tokenizer
@@ -23,7 +25,7 @@ class DecoderEmbeddingCheckpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         d: dict[str, Any] = read_json(self.path / "config.json")
-        architectures = [BARE_DECODERS.get(a, a) for a in d.get("architectures") or []]
+        architectures = [POOLING_DECODERS.get(a, a) for a in d.get("architectures") or []]
         names = _tensor_names(self.path)
         bare = not any(n.startswith("model.") for n in names)
         tied = d.get("tie_word_embeddings", False) or "lm_head.weight" not in names
@@ -48,6 +50,7 @@ class DecoderEmbeddingCheckpoint:
         tensors = {self._rename(n): t for n, t in read_checkpoint(self.path, dtype, device).items()}
         if self._drop_head:
             tensors.pop("lm_head.weight", None)
+        tensors.pop("score.weight", None)  # a classifier's head: model/decoder_classifier.py
         return dict(tensors)
 
 

@@ -1,8 +1,9 @@
 """How an embedding model turns its last hidden states into one vector, read from the checkpoint:
 sentence-transformers' `modules.json` (a Transformer, a Pooling, a Normalize), its pooling's
 `config.json` (either layout: `pooling_mode` or the `pooling_mode_*_token(s)` flags), its
-`sentence_bert_config.json` (max_seq_length, do_lower_case) and config.json's Matryoshka keys
-(`matryoshka_dimensions`, `is_matryoshka`); defaults by model kind where a file is absent. A
+`sentence_bert_config.json` (max_seq_length, do_lower_case), config.json's Matryoshka keys
+(`matryoshka_dimensions`, `is_matryoshka`) and `config_sentence_transformers.json`'s `prompts`
+and `default_prompt_name`; defaults by model kind where a file is absent. A
 module or mode that would change the vector and is not implemented is refused by name. `pool`
 applies it. Frozen; owns nothing.
 """
@@ -10,7 +11,7 @@ applies it. Frozen; owns nothing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,10 @@ class Pooling:
     max_seq_length: int | None = None  # sentence-transformers' truncation: the context here
     lower_case: bool = False  # sentence-transformers lower-cases the text first
     activation: str = "sigmoid"  # of a cross-encoder's scores: sigmoid or identity
+    # sentence-transformers' prompts by name, put before a text (a pair's first), and the one
+    # put when a request names none ("" for none).
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt: str = ""
 
 
 def read_pooling(path: str | Path, default_mode: str) -> Pooling:
@@ -51,9 +56,12 @@ def read_pooling(path: str | Path, default_mode: str) -> Pooling:
     max_len = st.get("max_seq_length")
     lower = bool(st.get("do_lower_case", False))
     activation = _activation(path)
+    prompts, default_prompt = _prompts(path)
+    text = dict(max_seq_length=max_len, lower_case=lower, activation=activation, prompts=prompts,
+                default_prompt=default_prompt)  # fmt: skip
     modules_file = path / "modules.json"
     if not modules_file.is_file():
-        return Pooling(default_mode, True, matryoshka, max_len, lower, activation)
+        return Pooling(default_mode, True, matryoshka, **text)
     modules = _modules(modules_file)
     mode, normalize = default_mode, False
     for module in modules[1:]:
@@ -65,7 +73,7 @@ def read_pooling(path: str | Path, default_mode: str) -> Pooling:
         else:
             raise CheckpointError(f"{modules_file}: module {module.get('type')!r} is not "
                                   "implemented (Transformer, Pooling, Normalize)")  # fmt: skip
-    return Pooling(mode, normalize, matryoshka, max_len, lower, activation)
+    return Pooling(mode, normalize, matryoshka, **text)
 
 
 def pool(h: torch.Tensor, lengths: list[int], pooling: Pooling) -> torch.Tensor:
@@ -97,6 +105,8 @@ def _modules(file: Path) -> list[dict[str, Any]]:
 
 def _pooling_mode(file: Path) -> str:
     config = read_json(file)
+    if config.get("include_prompt") is False:  # the prompt's tokens left out of the pooling
+        raise CheckpointError(f"{file}: include_prompt false is not implemented")
     if "pooling_mode" in config:
         mode = config["pooling_mode"]
         if mode not in POOLING_MODES:
@@ -133,6 +143,24 @@ def _activation(path: Path) -> str:
         raise CheckpointError(f"{file}: activation_fn {name!r} is not implemented "
                               f"({', '.join(ACTIVATIONS)})")  # fmt: skip
     return ACTIVATIONS[name]
+
+
+def _prompts(path: Path) -> tuple[dict[str, str], str]:
+    """config_sentence_transformers.json's prompts (None read as "", as sentence-transformers
+    does) and the default one's text."""
+    file = path / "config_sentence_transformers.json"
+    config = _json(file)
+    prompts = config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(
+        isinstance(v, str | None) for v in prompts.values()
+    ):
+        raise CheckpointError(f"{file}: prompts must map names to texts, got {prompts!r}")
+    prompts = {str(k): v or "" for k, v in prompts.items()}
+    default = config.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise CheckpointError(f"{file}: default_prompt_name {default!r} is not one of prompts "
+                              f"({', '.join(prompts) or 'none'})")  # fmt: skip
+    return prompts, prompts[default] if default is not None else ""
 
 
 def _json(file: Path) -> dict[str, Any]:

@@ -146,16 +146,12 @@ class PoolingAPI:
         """Every input tokenized and admitted (a 400 naming `input` before any is queued): in a
         "tokenize" thread when the inputs are long."""
         inputs = req.inputs()
-        lower = engine.pooling.lower_case  # sentence-transformers lower-cases first
+        truncate = req.truncate_prompt_tokens
 
         def admit() -> list[PoolingInput]:
-            encode = self.serving.tokenizer.encode
             return [
-                engine.admit(
-                    encode(one.lower() if lower else one, req.add_special_tokens)
-                    if isinstance(one, str) else one,
-                    "input", req.truncate_prompt_tokens,
-                )
+                engine.admit_text(one, "input", truncate, req.prompt_name, req.add_special_tokens)
+                if isinstance(one, str) else engine.admit(one, "input", truncate)
                 for one in inputs
             ]  # fmt: skip
 
@@ -171,11 +167,9 @@ class PoolingAPI:
         field: str,
     ) -> tuple[list[float], int]:
         """The cross-encoder's score of each pair, and the tokens it read."""
-        lower = engine.pooling.lower_case
 
         def admit() -> list[PoolingInput]:
-            case = (lambda t: t.lower()) if lower else (lambda t: t)
-            return [engine.admit_pair(case(a), case(b), field, truncate) for a, b in pairs]
+            return [engine.admit_pair(a, b, field, truncate) for a, b in pairs]
 
         chars = sum(len(a) + len(b) for a, b in pairs)
         if chars <= LONG_PROMPT_CHARS:

@@ -1,8 +1,9 @@
 """Tiny random embedding checkpoints written by transformers and sentence-transformers: a BERT
 encoder with a WordPiece tokenizer (`write_bert`), the same as a cross-encoder
-(`BertForSequenceClassification`, `write_cross_encoder`), and a Qwen3 decoder saved as a
-sentence-transformers model with last-token pooling (`write_decoder_embedding`). Each directory
-loads in sentence-transformers, the oracle of the embedding tests.
+(`BertForSequenceClassification`, `write_cross_encoder`), a Qwen3 decoder saved as a
+sentence-transformers model with last-token pooling (`write_decoder_embedding`), and a Qwen3
+reranker converted to one label (`Qwen3ForSequenceClassification`, `write_qwen3_reranker`). Each
+directory loads in sentence-transformers or transformers, the oracles of the pooling tests.
 """
 
 from __future__ import annotations
@@ -103,6 +104,21 @@ def write_decoder_embedding(path: Path, seed: int = 0, **config: Any) -> Path:
     tokenizer_config["pad_token"] = tokenizer_config.get("eos_token") or "<|endoftext|>"
     (raw / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     _as_sentence_transformer(raw, path, "lasttoken", True)
+    return path
+
+
+def write_qwen3_reranker(path: Path, seed: int = 0) -> Path:
+    """A random Qwen3 decoder with a one-label `score` head (the "seq-cls" conversion of
+    Qwen3-Reranker): as the conversion makes it, the difference of two rows of the LM head
+    (scaled down: a random head's logits saturate the sigmoid)."""
+    raw = write_family_checkpoint(path / "raw", "qwen3", seed)
+    lm_head = transformers.AutoModelForCausalLM.from_pretrained(raw).lm_head.weight
+    model = transformers.Qwen3ForSequenceClassification.from_pretrained(raw, num_labels=1)
+    with torch.no_grad():
+        model.score.weight.copy_((lm_head[88] - lm_head[77]) / 8)  # tokens of the demo vocabulary
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((raw / name).read_bytes())
     return path
 
 

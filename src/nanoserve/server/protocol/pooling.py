@@ -1,5 +1,6 @@
 """The pooling APIs' bodies: OpenAI's /v1/embeddings, the Cohere/Jina /v1/rerank and vLLM's
-/v1/score, with vLLM's `truncate_prompt_tokens` (and `add_special_tokens` for embeddings). A
+/v1/score, with vLLM's `truncate_prompt_tokens` (and `add_special_tokens` and TEI's
+`prompt_name` for embeddings). A
 request is bounded in inputs (MAX_INPUTS, OpenAI's 2,048); an empty input is refused by name.
 """
 
@@ -38,6 +39,9 @@ class EmbeddingRequest(StrictModel):
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
+    # Text Embeddings Inference's field: a prompt of the model's sentence-transformers config by
+    # name (its default_prompt_name's when absent); token-id inputs take none.
+    prompt_name: str | None = None
 
     def check(self) -> None:
         _check_count(len(self.inputs()), "input")
