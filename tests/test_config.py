@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from nanoserve import env
-from nanoserve.cli import _config, _parser
+from nanoserve.cli import UsageError, _config, _parser
 from nanoserve.config import (
     ATTENTION_BACKENDS,
     EngineConfig,
+    HfOverrides,
     ServerConfig,
     SettingError,
     described,
@@ -114,3 +115,13 @@ def test_the_environment_knobs(monkeypatch, tmp_path):
         monkeypatch.setenv("NANOSERVE_TP_TIMEOUT", bad)
         with pytest.raises(ValueError, match=f"NANOSERVE_TP_TIMEOUT must be .* got '{bad}'"):
             env.tp_timeout_s()
+
+
+def test_hf_overrides_flag_takes_vllms_json_for_the_original_qwen3_reranker():
+    overrides = ('{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token":'
+                 ' ["no", "yes"], "is_original_qwen3_reranker": true}')  # fmt: skip
+    engine = _config(EngineConfig, _parser().parse_args(["serve", "--hf-overrides", overrides]))
+    assert engine.hf_overrides == HfOverrides(("no", "yes"))
+    args = _parser().parse_args(["serve", "--hf-overrides", '{"num_labels": 2}'])
+    with pytest.raises(UsageError, match="--hf-overrides num_labels must be absent"):
+        _config(EngineConfig, args)

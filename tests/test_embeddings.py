@@ -131,6 +131,9 @@ def _edited(path, tmp_path, file, **changes):
         ("config.json", {"is_decoder": True}, "is_decoder"),
         ("1_Pooling/config.json", {"pooling_mode": "max"}, "pooling_mode"),
         ("config.json", {"matryoshka_dimensions": [0]}, "matryoshka_dimensions"),
+        ("1_Pooling/config.json", {"include_prompt": False}, "include_prompt"),
+        ("config_sentence_transformers.json", {"default_prompt_name": "q"}, "default_prompt_name"),
+        ("config_sentence_transformers.json", {"prompts": ["q"]}, "prompts"),
     ],
 )
 def test_what_would_change_the_vectors_is_refused_by_name(

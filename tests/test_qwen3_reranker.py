@@ -10,6 +10,7 @@ import transformers
 from nanoserve.config import EngineConfig, SettingError
 from nanoserve.engine import PoolingEngine, runs_pooling
 from nanoserve.llm import LLM
+from nanoserve.model.bert_config import check_checkpoint_config
 from nanoserve.testing.harness import live_pooling_server
 from nanoserve.testing.hf_families import write_family_checkpoint
 
@@ -55,6 +56,7 @@ def run_pairs(engine: PoolingEngine) -> tuple[list[float], list[list[int]]]:
 
 def test_seq_cls_scores_equal_transformers(embedding_model_factory):
     path = embedding_model_factory("qwen3_reranker")
+    check_checkpoint_config(path)  # what the command line checks before torch loads
     assert runs_pooling(path, EngineConfig())
     engine = PoolingEngine(path)
     assert engine.classifies and engine.num_labels == 1

@@ -1,13 +1,14 @@
 """A cross-encoder (BertForSequenceClassification, one label): its scores equal
 sentence-transformers' CrossEncoder.predict (sigmoid of the logit) in the pooling engine and
-through /v1/rerank and /v1/score on a live server, which rank by them; bad input is a 400
-naming the field."""
+through /v1/rerank and /v1/score on a live server, which rank by them, and LLM.score; bad input
+is a 400 naming the field."""
 
 import pytest
 import torch
 from sentence_transformers import CrossEncoder
 
 from nanoserve.engine import PoolingEngine
+from nanoserve.llm import LLM
 from nanoserve.testing.harness import live_pooling_server
 
 QUERY = "what is the capital of france"
@@ -74,3 +75,12 @@ async def test_rerank_ranks_by_the_cross_encoders_scores(embedding_model_factory
         body = {"query": QUERY, "documents": ["the cat " * 100], "truncate_prompt_tokens": 16}
         assert (await server.http.post("/v1/rerank", json=body)).status_code == 200
         await server.wait_idle()
+
+
+def test_llm_score_equals_the_cross_encoders(embedding_model_factory, expected):
+    with LLM(str(embedding_model_factory("cross_encoder"))) as llm:
+        one_to_many = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+        torch.testing.assert_close([o.outputs.score for o in one_to_many], expected, atol=1e-5,
+                                   rtol=0)  # fmt: skip
+        pairwise = llm.score([QUERY, QUERY], DOCUMENTS[:2], use_tqdm=False)
+        assert [o.outputs.score for o in pairwise] == [o.outputs.score for o in one_to_many[:2]]

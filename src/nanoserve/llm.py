@@ -125,9 +125,10 @@ class LLM:
         engine = self._engine(PoolingEngine, "embed")
         if engine.classifies:
             raise ValueError("embed: this model is a cross-encoder or reranker: use score")
+        truncate = truncate_prompt_tokens
         inputs = [
-            engine.admit_text(p, "prompts", truncate_prompt_tokens, prompt_name)
-            if isinstance(p, str) else engine.admit(_prompt_ids(p), "prompts", truncate_prompt_tokens)
+            engine.admit_text(p, "prompts", truncate, prompt_name)
+            if isinstance(p, str) else engine.admit(_prompt_ids(p), "prompts", truncate)
             for p in ([prompts] if isinstance(prompts, str | dict) else prompts)
         ]  # fmt: skip
         return [
@@ -217,7 +218,7 @@ def _pairs(first: str | Sequence[str], second: str | Sequence[str]) -> list[tupl
 
 def _cosine(a: list[float], b: list[float]) -> float:
     va, vb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(va @ vb / max(np.linalg.norm(va) * np.linalg.norm(vb), 1e-12))
+    return float(np.dot(va, vb)) / max(float(np.linalg.norm(va) * np.linalg.norm(vb)), 1e-12)
 
 
 def _prompt(prompt: Prompt) -> str | list[int]:

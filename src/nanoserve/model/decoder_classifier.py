@@ -44,8 +44,8 @@ def classifier_head(
         return None
     architecture = (read_json(path / "config.json").get("architectures") or [None])[0]
     if architecture != ORIGINAL:
-        raise SettingError("hf_overrides.architectures", architecture,
-                           f"given for a {ORIGINAL} checkpoint (the original Qwen3-Reranker)")  # fmt: skip
+        raise SettingError("hf_overrides.architectures", architecture, f"given for a "
+                           f"{ORIGINAL} checkpoint (the original Qwen3-Reranker)")  # fmt: skip
     false, true = (_token_id(tokenizer, t) for t in overrides.classifier_from_token)
     lm_head = _tensor(path, ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"))
     if lm_head is None:

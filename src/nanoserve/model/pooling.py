@@ -11,7 +11,7 @@ applies it. Frozen; owns nothing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +57,11 @@ def read_pooling(path: str | Path, default_mode: str) -> Pooling:
     lower = bool(st.get("do_lower_case", False))
     activation = _activation(path)
     prompts, default_prompt = _prompts(path)
-    text = dict(max_seq_length=max_len, lower_case=lower, activation=activation, prompts=prompts,
-                default_prompt=default_prompt)  # fmt: skip
+    default = Pooling(default_mode, True, matryoshka, max_len, lower, activation, prompts,
+                      default_prompt)  # fmt: skip
     modules_file = path / "modules.json"
     if not modules_file.is_file():
-        return Pooling(default_mode, True, matryoshka, **text)
+        return default
     modules = _modules(modules_file)
     mode, normalize = default_mode, False
     for module in modules[1:]:
@@ -73,7 +73,7 @@ def read_pooling(path: str | Path, default_mode: str) -> Pooling:
         else:
             raise CheckpointError(f"{modules_file}: module {module.get('type')!r} is not "
                                   "implemented (Transformer, Pooling, Normalize)")  # fmt: skip
-    return Pooling(mode, normalize, matryoshka, **text)
+    return replace(default, mode=mode, normalize=normalize)
 
 
 def pool(h: torch.Tensor, lengths: list[int], pooling: Pooling) -> torch.Tensor:
