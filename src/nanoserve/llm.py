@@ -150,6 +150,9 @@ class LLM:
         engine = self._engine(PoolingEngine, "score")
         pairs = _pairs(data_1, data_2)
         if engine.classifies:
+            if engine.num_labels != 1:
+                raise ValueError(f"score: this model has {engine.num_labels} labels; a "
+                                 "relevance score needs one")  # fmt: skip
             inputs = [engine.admit_pair(a, b, "data_2", truncate_prompt_tokens) for a, b in pairs]
             outputs = self._pool(engine, inputs, use_tqdm, "score")
             return [

@@ -1,13 +1,14 @@
-"""The pooling engine: embedding models and cross-encoders (vLLM's pooling runner). The same
-surface as the Engine's where the serving task drives it (`add_request`, `abort`, `abort_all`,
-`step`, `has_unfinished`, `stats()`, `check_health`, `close`), with its own admission
-(`admit`: token ids, or a pair for a cross-encoder) and outputs (`PoolingOutput`: a vector, or a
-cross-encoder's scores). Each step runs every waiting input that fits the token budget
-(max_num_batched_tokens, max_num_seqs rows) through one forward over the packed sequences and
-finishes them all: nothing is kept after a step. A BERT encoder needs no KV cache at all; a
-decoder (`--convert embed`) runs its prefill path over a scratch cache made for the step and
-dropped with it, never the paged pool. Single-threaded like the Engine: its owner calls it from
-one place at a time. Owns the model and the waiting inputs.
+"""The pooling engine: embedding models, cross-encoders and decoder rerankers (vLLM's pooling
+runner). The same surface as the Engine's where the serving task drives it (`add_request`,
+`abort`, `abort_all`, `step`, `has_unfinished`, `stats()`, `check_health`, `close`), with its own
+admission (`admit`: token ids; `admit_text`: a text with its sentence-transformers prompt;
+`admit_pair`: a cross-encoder's pair) and outputs (`PoolingOutput`: a vector, or a classifier's
+scores). Each step runs every waiting input that fits the token budget (max_num_batched_tokens,
+max_num_seqs rows) through one forward over the packed sequences and finishes them all: nothing
+is kept after a step. A BERT encoder needs no KV cache at all; a decoder (`--convert embed`, a
+reranker) runs its prefill path over a scratch cache made for the step and dropped with it,
+never the paged pool. Single-threaded like the Engine: its owner calls it from one place at a
+time. Owns the model and the waiting inputs.
 """
 
 from __future__ import annotations

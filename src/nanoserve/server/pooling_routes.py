@@ -1,6 +1,8 @@
 """The pooling routes: OpenAI's /v1/embeddings, the Cohere/Jina /v1/rerank and vLLM's /v1/score.
 The model decides which answer: an embedding model serves /v1/embeddings, a cross-encoder
-(`BertForSequenceClassification`) /v1/rerank and /v1/score; a generative model none of them
+(`BertForSequenceClassification`, or a Qwen3-Reranker: model/decoder_classifier.py) /v1/rerank
+and /v1/score, whose pairs go in as given (a reranker's template is the client's, as in vLLM);
+a generative model none of them
 (each refusal a 400 naming the model). Handlers validate, tokenize (in a "tokenize" thread when
 the texts are long), admit every input through the pooling engine's `admit` (RequestRejected
 naming the field) and wait for their vectors through `Serving.pool`, the same inbox, queue limit
