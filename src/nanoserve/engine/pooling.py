@@ -30,7 +30,11 @@ from nanoserve.model import (
     SINGLE,
     Bert,
     DecoderEmbeddingCheckpoint,
+    GGUFBert,
+    GGUFCheckpoint,
     Llama,
+    gguf_kind,
+    gguf_pooling,
     is_encoder,
     load_model,
     pool,
@@ -72,22 +76,25 @@ class _Waiting:
 
 def runs_pooling(model: str | Path, config: EngineConfig) -> bool:
     """Whether `model` is served by the pooling engine: an encoder (unless --runner generate,
-    refused), or any model under --runner pooling or --convert embed."""
-    encoder = Path(model).is_dir() and is_encoder(model)
+    refused), a GGUF whose metadata names its pooling (unless --runner generate: a decoder can
+    generate too), or any model under --runner pooling or --convert embed."""
+    encoder = is_encoder(model)
+    pools = Path(model).is_file() and gguf_kind(model)[1] is not None
     if encoder and config.runner == "generate":
         raise SettingError("runner", "generate", "auto or pooling for an encoder (BERT)")
     if config.convert == "embed" and config.runner == "generate":
         raise SettingError("convert", "embed", "none or auto with --runner generate")
-    if not encoder and config.runner == "pooling" and config.convert == "none":
+    if not (encoder or pools) and config.runner == "pooling" and config.convert == "none":
         raise SettingError("convert", "none", "auto or embed for a decoder under --runner "
                            "pooling (its hidden states become the embeddings)")  # fmt: skip
-    return encoder or config.runner == "pooling" or config.convert == "embed"
+    declared = pools and config.runner != "generate"
+    return encoder or declared or config.runner == "pooling" or config.convert == "embed"
 
 
 class PoolingEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None):
-        """`model`: a Hugging Face directory: a BERT encoder, or a decoder used for its hidden
-        states (last-token pooling by default)."""
+        """`model`: a Hugging Face directory or a GGUF file: a BERT encoder, or a decoder used
+        for its hidden states (last-token pooling by default)."""
         config = config or EngineConfig()
         if config.tensor_parallel_size != 1 or config.device != "cpu":
             raise SettingError("runner", "pooling", "served on a CPU in one process")
@@ -95,16 +102,17 @@ class PoolingEngine:
             raise SettingError("speculative_config", config.speculative_config,
                                "off for a pooling model (it generates nothing)")  # fmt: skip
         path = Path(model)
-        if not path.is_dir():
-            raise ValueError(f"{model}: the pooling runner takes Hugging Face directories")
+        if not path.exists():
+            raise ValueError(f"{model}: the pooling runner takes Hugging Face directories and "
+                             "GGUF files, and there is neither")  # fmt: skip
         self.encoder: Bert | None = None
         self.decoder: Llama | None = None
+        self.tokenizer: Tokenizer
         positions = (
             self._load_encoder(path, config)
             if is_encoder(path)
             else self._load_decoder(path, config)
         )
-        self.tokenizer = Tokenizer.from_dir(path)
         limits = [positions, config.max_model_len, self.pooling.max_seq_length]
         self.max_model_len = min(n for n in limits if n)
         self.num_blocks = 0  # no KV pool
@@ -120,9 +128,17 @@ class PoolingEngine:
                                "auto or none for an encoder (floats only)")  # fmt: skip
         dtype = "float32" if config.dtype == "auto" else config.dtype
         self.config = replace(config, dtype=dtype, kv_cache_dtype=dtype)
-        self.encoder = encoder = Bert(path, self.config.torch_dtype)
+        if path.is_file():
+            gguf = GGUFBert(path)
+            weights = gguf.read_tensors(self.config.torch_dtype)
+            self.encoder = encoder = Bert(gguf.config, weights, path.name)
+            self.tokenizer = gguf.tokenizer()
+            self.pooling = gguf_pooling(gguf.meta, "cls", path.name)
+        else:
+            self.encoder = encoder = Bert.from_dir(path, self.config.torch_dtype)
+            self.tokenizer = Tokenizer.from_dir(path)
+            self.pooling = read_pooling(path, "cls")
         self.vocab_size = encoder.config.vocab_size
-        self.pooling = read_pooling(path, "cls")
         self.classifies = encoder.classifier is not None
         self.num_labels = encoder.config.num_labels
         self.dimension = encoder.config.hidden_size
@@ -130,12 +146,18 @@ class PoolingEngine:
 
     def _load_decoder(self, path: Path, config: EngineConfig) -> int:
         """A decoder for its hidden states (dtype auto as for generation); its positions."""
-        checkpoint = DecoderEmbeddingCheckpoint(path)
+        checkpoint: GGUFCheckpoint | DecoderEmbeddingCheckpoint
+        if path.is_file():
+            checkpoint = GGUFCheckpoint(path)
+            self.pooling = gguf_pooling(checkpoint.meta, "lasttoken", path.name)
+        else:
+            checkpoint = DecoderEmbeddingCheckpoint(path)
+            self.pooling = read_pooling(path, "lasttoken")
         self.config = resolve_dtype(config, checkpoint)
         positions = config.max_model_len or checkpoint.config.max_position_embeddings
         self.decoder = load_model(checkpoint, self.config, torch.device("cpu"), SINGLE, positions)
+        self.tokenizer = checkpoint.tokenizer()
         self.vocab_size = checkpoint.config.vocab_size
-        self.pooling = read_pooling(path, "lasttoken")
         self.classifies = False
         self.num_labels = 0
         self.dimension = checkpoint.config.hidden_size
