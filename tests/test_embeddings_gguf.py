@@ -15,6 +15,7 @@ from nanoserve.engine import PoolingEngine, runs_pooling
 from nanoserve.model import CheckpointError, GGUFCheckpoint, gguf_pooling
 from nanoserve.model.gguf_file import GGUFError
 from nanoserve.testing import llamacpp_convert
+from nanoserve.testing.gguf_writer import rewrite_gguf
 from nanoserve.testing.harness import live_pooling_server
 
 TEXTS = [
@@ -149,10 +150,28 @@ def test_a_cross_encoder_gguf_is_refused_by_name(gguf_factory):
         PoolingEngine(gguf)
 
 
-@pytest.mark.parametrize(("value", "what"), [(0, "NONE"), (4, "RANK"), (9, "unknown")])
-def test_a_pooling_type_without_one_vector_is_refused_by_name(value, what):
-    meta = {"general.architecture": "qwen3", "qwen3.pooling_type": value}
-    with pytest.raises(CheckpointError, match=rf"qwen3\.pooling_type = {value}, {what}"):
+@pytest.mark.parametrize(
+    ("kind", "changes", "error", "named"),
+    [
+        ("bert", {"bert.pooling_type": 4}, CheckpointError, r"bert\.pooling_type = 4, RANK"),
+        ("decoder", {"qwen3.pooling_type": 0}, CheckpointError, r"qwen3\.pooling_type = 0, NONE"),
+        ("bert", {"bert.attention.causal": True}, GGUFError, r"bert\.attention\.causal"),
+        ("bert", {"tokenizer.ggml.model": "gpt2"}, GGUFError, r"tokenizer\.ggml\.model = 'gpt2'"),
+    ],
+)
+def test_what_a_gguf_says_and_is_not_implemented_is_refused_by_name(
+    gguf_factory, tmp_path, kind, changes, error, named
+):
+    _, gguf = gguf_factory(kind)
+    changed = rewrite_gguf(gguf, tmp_path / "changed.gguf", changes)
+    assert runs_pooling(changed, EngineConfig())
+    with pytest.raises(error, match=named):
+        PoolingEngine(changed)
+
+
+def test_an_unknown_pooling_type_is_refused_and_none_is_the_default():
+    meta = {"general.architecture": "qwen3", "qwen3.pooling_type": 9}
+    with pytest.raises(CheckpointError, match=r"qwen3\.pooling_type = 9, unknown"):
         gguf_pooling(meta, "lasttoken", "m.gguf")
     assert gguf_pooling({"general.architecture": "bert"}, "cls", "m.gguf").mode == "cls"
 

@@ -78,8 +78,10 @@ def runs_pooling(model: str | Path, config: EngineConfig) -> bool:
     """Whether `model` is served by the pooling engine: an encoder (unless --runner generate,
     refused), a GGUF whose metadata names its pooling (unless --runner generate: a decoder can
     generate too), or any model under --runner pooling or --convert embed."""
-    encoder = is_encoder(model)
-    pools = Path(model).is_file() and gguf_kind(model)[1] is not None
+    file = Path(model).is_file()  # a GGUF: its header read once
+    arch, pooling_type = gguf_kind(model) if file else (None, None)
+    encoder = arch == "bert" if file else is_encoder(model)
+    pools = pooling_type is not None
     if encoder and config.runner == "generate":
         raise SettingError("runner", "generate", "auto or pooling for an encoder (BERT)")
     if config.convert == "embed" and config.runner == "generate":

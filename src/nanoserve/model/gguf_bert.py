@@ -54,6 +54,12 @@ class GGUFBert:
         if self.meta.get("general.architecture") != "bert":
             raise GGUFError(f"{self.path.name}: architecture "
                             f"{self.meta.get('general.architecture')!r} is not bert")  # fmt: skip
+        # Before the weights load: the converter writes (XLM-)RoBERTa as `bert` too, with their
+        # own tokenizers and position offsets, which are not implemented.
+        kind = self.meta.get("tokenizer.ggml.model")
+        if kind != "bert":
+            raise GGUFError(f"{self.path.name}: tokenizer.ggml.model = {kind!r} in a bert file "
+                            "is not implemented (BERT's WordPiece, 'bert', only)")  # fmt: skip
         self.tensors = {_hf_name(self.path, t.name): t for t in infos}
         for t in self.tensors.values():
             if t.tensor_type not in DEQUANTIZED:
