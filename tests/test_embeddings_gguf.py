@@ -67,8 +67,9 @@ def embed(engine: PoolingEngine, texts: list[str]) -> torch.Tensor:
 
 
 def cosines(path, gguf, texts=TEXTS) -> torch.Tensor:
-    """Our vectors from the GGUF against sentence-transformers' from the directory."""
-    ours = embed(PoolingEngine(gguf), texts)
+    """Our vectors from the GGUF against sentence-transformers' from the directory (float32
+    activations, whatever this CPU multiplies natively)."""
+    ours = embed(PoolingEngine(gguf, EngineConfig(dtype="float32")), texts)
     theirs = torch.tensor(SentenceTransformer(str(path), device="cpu").encode(texts))
     assert ours.shape == theirs.shape
     return torch.nn.functional.cosine_similarity(ours, theirs)
