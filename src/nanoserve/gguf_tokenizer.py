@@ -174,8 +174,9 @@ def _wordpiece(tokens: list[str], meta: Mapping[str, Any]) -> Tokenizer:
     """BERT's WordPiece. The converter wrote a word's first piece as U+2581 + piece and a
     continuation ("##ing") without its "##", control tokens as they are: undone here. Text is
     split and cleaned as BERT's tokenizer does, lower-cased (accents stripped) unless the file's
-    normalizer.lowercase says not (llama.cpp lower-cases where the key is absent); [CLS] (the
-    BOS) and [SEP] go around a text, and a pair is [CLS] A [SEP] B [SEP], B's token type 1."""
+    normalizer.lowercase says not (a file older than that key: lower-cased, as the uncased BERTs
+    most such files hold are); [CLS] (the BOS) and [SEP] go around a text, and a pair is
+    [CLS] A [SEP] B [SEP], B's token type 1."""
     types = list(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
     pieces = [
         t if k == CONTROL else t[1:] if t.startswith(SPACE) else "##" + t
