@@ -6,7 +6,8 @@ name of llama.cpp's pre-tokenizer. This module builds the two kinds the Llama-fa
 byte-level BPE (`tokenizer.ggml.model == "gpt2"`: Llama 3, Qwen, SmolLM) for the pre-tokenizers
 it knows, splitting text as llama.cpp does for each, and SentencePiece BPE (`"llama"`: Mistral,
 Llama 2, TinyLlama), whose merges are the pairs of tokens that make a longer one, best score
-first, as SentencePiece merges them. Anything else is refused by name, never approximated.
+first, as SentencePiece merges them; and BERT's WordPiece (`"bert"`), from the vocabulary
+llama.cpp's converter rewrites. Anything else is refused by name, never approximated.
 Imports nothing of nanoserve.
 """
 
@@ -88,17 +89,25 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> tuple[Tokenizer, dict[str, A
     metadata (key -> value). Raises UnsupportedTokenizer, naming what is unsupported."""
     check_supported(meta)
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    if meta.get("tokenizer.ggml.model") == "bert":
+        return _wordpiece(tokens, meta), tokenizer_config(meta), None
     if meta.get("tokenizer.ggml.model") == "gpt2":
         tok = _bpe(tokens, meta, meta.get("tokenizer.ggml.pre", "default"))
     else:
         tok = _sentencepiece(tokens, meta)
     _add_typed_tokens(tok, tokens, meta)
     config = tokenizer_config(meta)
-    if config.get("add_bos_token") and "bos_token" in config:
-        bos = config["bos_token"]
+    # BOS before a text and, where the file says (an embedding model's: Qwen3-Embedding pools
+    # its last token, <|endoftext|>), EOS after it, as llama.cpp adds them.
+    bos = config.get("bos_token") if config.get("add_bos_token") else None
+    eos = config.get("eos_token") if meta.get("tokenizer.ggml.add_eos_token") else None
+    if bos or eos:
+        ends = [t for t in (bos, eos) if t]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
-        )
+            single=" ".join(t for t in (bos, "$A", eos) if t),
+            pair=" ".join(t for t in (bos, "$A", eos, bos, "$B", eos) if t),
+            special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(ends)],
+        )  # fmt: skip
     return tok, config, meta.get("tokenizer.chat_template")
 
 
@@ -106,12 +115,14 @@ def check_supported(meta: Mapping[str, Any]) -> None:
     """Raise UnsupportedTokenizer where tokenizer_from_gguf would, without building anything:
     a loader refuses the file before it loads weights for a tokenizer it cannot have."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
+    if kind not in ("gpt2", "llama", "bert"):
         raise UnsupportedTokenizer(
             f"tokenizer kind {kind!r} is not supported: nanoserve builds byte-level BPE "
-            "('gpt2') and SentencePiece BPE ('llama') GGUF tokenizers"
+            "('gpt2'), SentencePiece BPE ('llama') and WordPiece ('bert') GGUF tokenizers"
         )
     pre = meta.get("tokenizer.ggml.pre", "default")
+    if kind == "bert":
+        return  # llama.cpp's WordPiece reads no pre-tokenizer name
     if kind == "gpt2" and pre not in PRE_TOKENIZERS:
         raise UnsupportedTokenizer(
             f"pre-tokenizer {pre!r} is not supported: nanoserve knows "
@@ -157,6 +168,42 @@ def _sentencepiece(tokens: list[str], meta: Mapping[str, Any]) -> Tokenizer:
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tok
+
+
+def _wordpiece(tokens: list[str], meta: Mapping[str, Any]) -> Tokenizer:
+    """BERT's WordPiece. The converter wrote a word's first piece as U+2581 + piece and a
+    continuation ("##ing") without its "##", control tokens as they are: undone here. Text is
+    split and cleaned as BERT's tokenizer does, lower-cased (accents stripped) unless the file's
+    normalizer.lowercase says not (a file older than that key: lower-cased, as the uncased BERTs
+    most such files hold are); [CLS] (the BOS) and [SEP] go around a text, and a pair is
+    [CLS] A [SEP] B [SEP], B's token type 1."""
+    types = list(meta.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
+    pieces = [
+        t if k == CONTROL else t[1:] if t.startswith(SPACE) else "##" + t
+        for t, k in zip(tokens, types, strict=True)
+    ]
+    unk = _token(pieces, meta, "unknown")
+    tok = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token=unk or ""))
+    lower = bool(meta.get("tokenizer.ggml.normalizer.lowercase", True))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lower)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    _add_typed_tokens(tok, pieces, meta)
+    cls, sep = _token(pieces, meta, "bos"), _token(pieces, meta, "seperator")
+    if cls is None or sep is None or not meta.get("tokenizer.ggml.add_bos_token", True):
+        raise UnsupportedTokenizer("a WordPiece ('bert') vocabulary needs its [CLS] (bos) and "
+                                   "[SEP] (seperator) token ids, and adds them")  # fmt: skip
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, pieces.index(cls)), (sep, pieces.index(sep))],
+    )  # fmt: skip
+    return tok
+
+
+def _token(tokens: list[str], meta: Mapping[str, Any], key: str) -> str | None:
+    """The token of tokenizer.ggml.<key>_token_id, or None."""
+    token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+    return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
 
 def _merges_by_score(

@@ -31,8 +31,12 @@ from nanoserve.model import (
     SINGLE,
     Bert,
     DecoderEmbeddingCheckpoint,
+    GGUFBert,
+    GGUFCheckpoint,
     Llama,
     classifier_head,
+    gguf_kind,
+    gguf_pooling,
     is_encoder,
     is_sequence_classifier,
     load_model,
@@ -76,26 +80,31 @@ class _Waiting:
 def runs_pooling(model: str | Path, config: EngineConfig) -> bool:
     """Whether `model` is served by the pooling engine: an encoder or a classifier (a decoder
     with a classification head, or the original Qwen3-Reranker under hf_overrides), unless
-    --runner generate (refused); or any model under --runner pooling or --convert embed."""
-    is_dir = Path(model).is_dir()
-    encoder = is_dir and (is_encoder(model) or is_sequence_classifier(model))
+    --runner generate (refused); a GGUF whose metadata names its pooling (unless --runner
+    generate: a decoder can generate too); or any model under --runner pooling or --convert
+    embed."""
+    file, is_dir = Path(model).is_file(), Path(model).is_dir()
+    arch, pooling_type = gguf_kind(model) if file else (None, None)  # a GGUF's header read once
+    encoder = arch == "bert" or (is_dir and (is_encoder(model) or is_sequence_classifier(model)))
     if config.hf_overrides is not None:
         encoder = True
+    pools = pooling_type is not None
     if encoder and config.runner == "generate":
         raise SettingError("runner", "generate", "auto or pooling for an encoder (BERT) or "
                            "a classifier (a reranker)")  # fmt: skip
     if config.convert == "embed" and config.runner == "generate":
         raise SettingError("convert", "embed", "none or auto with --runner generate")
-    if not encoder and config.runner == "pooling" and config.convert == "none":
+    if not (encoder or pools) and config.runner == "pooling" and config.convert == "none":
         raise SettingError("convert", "none", "auto or embed for a decoder under --runner "
                            "pooling (its hidden states become the embeddings)")  # fmt: skip
-    return encoder or config.runner == "pooling" or config.convert == "embed"
+    declared = pools and config.runner != "generate"
+    return encoder or declared or config.runner == "pooling" or config.convert == "embed"
 
 
 class PoolingEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None):
-        """`model`: a Hugging Face directory: a BERT encoder, or a decoder used for its hidden
-        states (last-token pooling by default)."""
+        """`model`: a Hugging Face directory or a GGUF file: a BERT encoder, or a decoder used
+        for its hidden states (last-token pooling by default)."""
         config = config or EngineConfig()
         if config.tensor_parallel_size != 1 or config.device != "cpu":
             raise SettingError("runner", "pooling", "served on a CPU in one process")
@@ -103,12 +112,13 @@ class PoolingEngine:
             raise SettingError("speculative_config", config.speculative_config,
                                "off for a pooling model (it generates nothing)")  # fmt: skip
         path = Path(model)
-        if not path.is_dir():
-            raise ValueError(f"{model}: the pooling runner takes Hugging Face directories")
+        if not path.exists():
+            raise ValueError(f"{model}: the pooling runner takes Hugging Face directories and "
+                             "GGUF files, and there is neither")  # fmt: skip
         self.encoder: Bert | None = None
         self.decoder: Llama | None = None
         self.head: torch.Tensor | None = None  # a decoder's classification head, if any
-        self.tokenizer = Tokenizer.from_dir(path)
+        self.tokenizer: Tokenizer
         positions = (
             self._load_encoder(path, config)
             if is_encoder(path)
@@ -132,24 +142,42 @@ class PoolingEngine:
                                "auto or none for an encoder (floats only)")  # fmt: skip
         dtype = "float32" if config.dtype == "auto" else config.dtype
         self.config = replace(config, dtype=dtype, kv_cache_dtype=dtype)
-        self.encoder = encoder = Bert(path, self.config.torch_dtype)
+        if path.is_file():
+            gguf = GGUFBert(path)
+            weights = gguf.read_tensors(self.config.torch_dtype)
+            self.encoder = encoder = Bert(gguf.config, weights, path.name)
+            self.tokenizer = gguf.tokenizer()
+            self.pooling = gguf_pooling(gguf.meta, "cls", path.name)
+        else:
+            self.encoder = encoder = Bert.from_dir(path, self.config.torch_dtype)
+            self.tokenizer = Tokenizer.from_dir(path)
+            self.pooling = read_pooling(path, "cls")
         self.vocab_size = encoder.config.vocab_size
-        self.pooling = read_pooling(path, "cls")
         self.classifies = encoder.classifier is not None
         self.num_labels = encoder.config.num_labels
         self.dimension = encoder.config.hidden_size
         return encoder.config.max_position_embeddings
 
     def _load_decoder(self, path: Path, config: EngineConfig) -> int:
-        """A decoder for its hidden states, or with a classification head (dtype auto as for
-        generation); its positions."""
-        self.head = classifier_head(path, config.hf_overrides, self.tokenizer)
-        checkpoint = DecoderEmbeddingCheckpoint(path)
+        """A decoder for its hidden states, or with a classification head (a directory's), dtype
+        auto as for generation; its positions."""
+        checkpoint: GGUFCheckpoint | DecoderEmbeddingCheckpoint
+        if path.is_file():
+            if config.hf_overrides is not None:
+                raise SettingError("hf_overrides", config.hf_overrides,
+                                   "absent for a GGUF file")  # fmt: skip
+            checkpoint = GGUFCheckpoint(path)
+            self.pooling = gguf_pooling(checkpoint.meta, "lasttoken", path.name)
+        else:
+            checkpoint = DecoderEmbeddingCheckpoint(path)
+            self.pooling = read_pooling(path, "lasttoken")
+        self.tokenizer = checkpoint.tokenizer()
+        if not path.is_file():
+            self.head = classifier_head(path, config.hf_overrides, self.tokenizer)
         self.config = resolve_dtype(config, checkpoint)
         positions = config.max_model_len or checkpoint.config.max_position_embeddings
         self.decoder = load_model(checkpoint, self.config, torch.device("cpu"), SINGLE, positions)
         self.vocab_size = checkpoint.config.vocab_size
-        self.pooling = read_pooling(path, "lasttoken")
         self.classifies = self.head is not None
         self.num_labels = 0 if self.head is None else self.head.shape[0]
         self.dimension = checkpoint.config.hidden_size

@@ -55,14 +55,10 @@ class BertLayer:
 
 
 class Bert:
-    def __init__(self, path: str | Path, dtype: torch.dtype) -> None:
-        """The encoder of a checkpoint directory, its weights in `dtype` on the CPU."""
-        path = Path(path)
-        try:
-            self.config = c = BertConfig.from_dict(read_json(path / "config.json"))
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{path / 'config.json'}: {e}") from None
-        w = {_strip(k): t for k, t in read_checkpoint(path, dtype).items()}
+    def __init__(self, config: BertConfig, w: dict[str, torch.Tensor], source: str) -> None:
+        """The encoder of `config` with weights `w` under transformers' BertModel names (on the
+        CPU, in one float dtype); `source` names the checkpoint in errors."""
+        self.config = c = config
         try:
             self.word, self.position = (
                 w["embeddings.word_embeddings.weight"],
@@ -78,8 +74,19 @@ class Bert:
                     Linear(w["classifier.weight"]), w["classifier.bias"],
                 )  # fmt: skip
         except KeyError as e:
-            raise CheckpointError(f"{path}: checkpoint has no tensor {e.args[0]}") from None
+            raise CheckpointError(f"{source}: checkpoint has no tensor {e.args[0]}") from None
         self.act = ACTIVATIONS[c.hidden_act]
+
+    @classmethod
+    def from_dir(cls, path: str | Path, dtype: torch.dtype) -> Bert:
+        """The encoder of a checkpoint directory, its weights in `dtype` on the CPU."""
+        path = Path(path)
+        try:
+            config = BertConfig.from_dict(read_json(path / "config.json"))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+        w = {_strip(k): t for k, t in read_checkpoint(path, dtype).items()}
+        return cls(config, w, str(path))
 
     def forward(self, ids: torch.Tensor, types: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """The last hidden states [num_tokens, hidden] of packed sequences: `ids` and `types`

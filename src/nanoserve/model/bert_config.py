@@ -1,7 +1,8 @@
 """A BERT-family encoder's config.json (`BertModel`; `BertForSequenceClassification`, a
-cross-encoder): every key that changes the computation read, or refused by name; and the check
-of any checkpoint directory's config.json by its kind (`check_checkpoint_config`). Imports no
-torch: the command line checks a checkpoint before torch loads.
+cross-encoder): every key that changes the computation read, or refused by name; the check of
+any checkpoint directory's config.json by its kind (`check_checkpoint_config`); and a GGUF
+file's kind (`gguf_kind`: its architecture and pooling_type). Imports no torch: the command line
+checks a checkpoint before torch loads.
 """
 
 from __future__ import annotations
@@ -87,12 +88,29 @@ def check_checkpoint_config(path: Path) -> None:
 
 
 def is_encoder(path: str | Path) -> bool:
-    """Whether a checkpoint directory holds a BERT-family encoder (by its architectures)."""
+    """Whether a checkpoint directory holds a BERT-family encoder (by its architectures), or a
+    GGUF file does (architecture `bert`)."""
+    if Path(path).is_file():
+        return gguf_kind(path)[0] == "bert"
     file = Path(path) / "config.json"
     if not file.is_file():
         return False
     architectures = read_json(file).get("architectures") or []
     return bool(architectures) and architectures[0] in ARCHITECTURES
+
+
+def gguf_kind(path: str | Path) -> tuple[str | None, int | None]:
+    """A GGUF file's general.architecture and <architecture>.pooling_type (None where absent: a
+    generative model's file has none); (None, None) for a file that is no GGUF, which its
+    loader then refuses with the reason."""
+    from nanoserve.model.gguf_header import read_header
+
+    try:
+        meta = read_header(Path(path))[0]
+    except (ValueError, OSError):
+        return None, None
+    arch = meta.get("general.architecture")
+    return arch, meta.get(f"{arch}.pooling_type")
 
 
 def _int(d: dict[str, Any], key: str, default: int | None = None) -> int:

@@ -139,7 +139,7 @@ class GGUFCheckpoint:
                 weights[_hf_name(name, gemma)] = weight
                 kept[qtype] = kept.get(qtype, 0) + 1
                 continue
-            values = _dequantize(data, info)
+            values = dequantize(data, info)
             values = _unpermute(values, heads) if heads else values
             # Gemma's (1 + w) norms stay float32 in a bfloat16 model, as transformers has them.
             own = torch.float32 if gemma and name.endswith("norm.weight") else dtype
@@ -288,7 +288,7 @@ class GGUFCheckpoint:
         factors = [1.0] * (head_dim // 2)
         if ROPE_FREQS in self.tensors:
             data = np.memmap(self.path, dtype=np.uint8, mode="r")
-            factors = _dequantize(data, self.tensors[ROPE_FREQS]).tolist()
+            factors = dequantize(data, self.tensors[ROPE_FREQS]).tolist()
         scaling = self._get("rope.scaling.type") or "none"
         if scaling == "linear":
             factors = [f * float(self._get("rope.scaling.factor", 1.0)) for f in factors]
@@ -420,7 +420,7 @@ def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "none"
 
 
-def _dequantize(data: np.ndarray, info: dict[str, Any]) -> np.ndarray:
+def dequantize(data: np.ndarray, info: dict[str, Any]) -> np.ndarray:
     """A tensor's values as float32 in [rows, columns] order, from the file's memory map."""
     qtype, shape = Q(info["type"]), tuple(info["shape"])
     raw = data[info["offset"] : info["offset"] + info["bytes"]]

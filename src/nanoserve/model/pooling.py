@@ -3,9 +3,9 @@ sentence-transformers' `modules.json` (a Transformer, a Pooling, a Normalize), i
 `config.json` (either layout: `pooling_mode` or the `pooling_mode_*_token(s)` flags), its
 `sentence_bert_config.json` (max_seq_length, do_lower_case), config.json's Matryoshka keys
 (`matryoshka_dimensions`, `is_matryoshka`) and `config_sentence_transformers.json`'s `prompts`
-and `default_prompt_name`; defaults by model kind where a file is absent. A
-module or mode that would change the vector and is not implemented is refused by name. `pool`
-applies it. Frozen; owns nothing.
+and `default_prompt_name`; defaults by model kind where a file is absent. A GGUF file's is its
+`<arch>.pooling_type` (`gguf_pooling`). A module or mode that would change the vector and is
+not implemented is refused by name. `pool` applies it. Frozen; owns nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ POOLING_FLAGS = {
 }
 REFUSED_FLAGS = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                  "pooling_mode_weightedmean_tokens")  # fmt: skip
+# llama.cpp's LLAMA_POOLING_TYPE_*: those that give one vector, and those refused.
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}
+GGUF_REFUSED = {0: "NONE (a vector per token)", 4: "RANK (a reranker's score)"}
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
                "torch.nn.modules.linear.Identity": "identity"}  # fmt: skip
 
@@ -74,6 +77,21 @@ def read_pooling(path: str | Path, default_mode: str) -> Pooling:
             raise CheckpointError(f"{modules_file}: module {module.get('type')!r} is not "
                                   "implemented (Transformer, Pooling, Normalize)")  # fmt: skip
     return replace(default, mode=mode, normalize=normalize)
+
+
+def gguf_pooling(meta: dict[str, Any], default_mode: str, file: str) -> Pooling:
+    """A GGUF's pooling: its `<arch>.pooling_type` (else `default_mode`), normalized as
+    llama.cpp's server normalizes embeddings (the file does not say whether the checkpoint had a
+    Normalize module). CheckpointError naming the key for a type that is not implemented."""
+    key = f"{meta.get('general.architecture')}.pooling_type"
+    value = meta.get(key)
+    if value is None:
+        return Pooling(default_mode, True)
+    if value not in GGUF_POOLING:
+        what = GGUF_REFUSED.get(value, "unknown")
+        raise CheckpointError(f"{file}: {key} = {value!r}, {what}, is not implemented (1 MEAN, "
+                              "2 CLS, 3 LAST)")  # fmt: skip
+    return Pooling(GGUF_POOLING[value], True)
 
 
 def pool(h: torch.Tensor, lengths: list[int], pooling: Pooling) -> torch.Tensor:

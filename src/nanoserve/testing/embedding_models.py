@@ -39,7 +39,8 @@ def bert_tokenizer() -> Tokenizer:
     """WordPiece over the specials, the letters (with ## continuations) and WORDS, lower-cased
     as BERT's uncased tokenizers are; pairs get token types 0 and 1."""
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,?!'")
-    vocab = [*SPECIALS, *letters, *("##" + c for c in letters), *WORDS]
+    # Each token once ("a" is a letter and a word), so that ids run from 0 to the size - 1.
+    vocab = list(dict.fromkeys([*SPECIALS, *letters, *("##" + c for c in letters), *WORDS]))
     tok = Tokenizer(WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -92,10 +93,15 @@ def write_cross_encoder(path: Path, seed: int = 0, **config: Any) -> Path:
     return path
 
 
-def write_decoder_embedding(path: Path, seed: int = 0, **config: Any) -> Path:
+def write_decoder_embedding(
+    path: Path, seed: int = 0, tokenizer_json: str | None = None, **config: Any
+) -> Path:
     """A random Qwen3 decoder as a sentence-transformers model: last-token pooling, normalized
-    (Qwen3-Embedding's modules)."""
+    (Qwen3-Embedding's modules). `tokenizer_json` replaces the demo tokenizer (one llama.cpp's
+    converter recognizes, for a GGUF; `config` then gives its vocab_size)."""
     raw = write_family_checkpoint(path / "raw", "qwen3", seed, **config)
+    if tokenizer_json is not None:
+        _with_eos(raw, Tokenizer.from_str(tokenizer_json), "<|endoftext|>")
     # Without a chat template sentence-transformers encodes plain text, as Qwen3-Embedding's own
     # files have it; its batches need a padding token.
     (raw / "chat_template.jinja").unlink(missing_ok=True)
@@ -105,6 +111,18 @@ def write_decoder_embedding(path: Path, seed: int = 0, **config: Any) -> Path:
     (raw / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     _as_sentence_transformer(raw, path, "lasttoken", True)
     return path
+
+
+def _with_eos(raw: Path, tok: Tokenizer, eos: str) -> None:
+    """`tok` as the checkpoint's tokenizer, appending `eos` to each text as Qwen3-Embedding's
+    does (its last token, the one pooled)."""
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A {eos}", pair=f"$A {eos} $B:1 {eos}:1",
+        special_tokens=[(eos, tok.token_to_id(eos))],
+    )  # fmt: skip
+    tok.save(str(raw / "tokenizer.json"))
+    special = {"eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (raw / "tokenizer_config.json").write_text(json.dumps(special))
 
 
 def write_qwen3_reranker(path: Path, seed: int = 0) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import gguf
 import torch
@@ -151,3 +152,28 @@ def spec_ids(spec: dict) -> dict[str, int]:
     ids = dict(spec["model"]["vocab"])
     ids.update({added["content"]: added["id"] for added in spec["added_tokens"]})
     return ids
+
+
+def rewrite_gguf(source: Path, out: Path, changes: dict[str, Any]) -> Path:
+    """`source` copied to `out` with the metadata `changes` (key -> value; a new key's type
+    follows its Python value), its tensors as they are: a file the converter would not write,
+    for the loader's refusals."""
+    reader = gguf.GGUFReader(source)
+    changes = dict(changes)
+    w = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # the header's own, and what the writer writes itself
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, changes.pop(key, field.contents()), kind, sub_type=sub)
+    for key, value in changes.items():
+        w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape)]
+        w.add_tensor(t.name, t.data, raw_shape=shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

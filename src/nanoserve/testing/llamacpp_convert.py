@@ -56,13 +56,28 @@ def fetch() -> Path:
     return target / "convert_hf_to_gguf.py"
 
 
-def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """`model_dir` (a Hugging Face checkpoint) written to `out` by llama.cpp's converter."""
+# Runs the converter with its tokenizer's pre-tokenizer name given (argv[1]) rather than found by
+# the hash of a test text's token ids, which only the vocabularies it lists have.
+_NAMED_PRE = """import runpy, sys
+script, pre = sys.argv[1], sys.argv[2]
+sys.argv = [script, *sys.argv[3:]]
+sys.path.insert(0, script.rpartition("/")[0])
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(model_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
+    """`model_dir` (a Hugging Face checkpoint) written to `out` by llama.cpp's converter. `pre`:
+    the tokenizer.ggml.pre to write, for a random vocabulary the converter does not recognize
+    (a WordPiece one: llama.cpp's BERT tokenizer reads no pre-tokenizer name)."""
     script = converter()
     if script is None:
         raise FileNotFoundError("llama.cpp's converter is not fetched: run fetch() first")
+    run = [str(script)] if pre is None else ["-c", _NAMED_PRE, str(script), pre]
     done = subprocess.run(
-        [sys.executable, str(script), str(model_dir), "--outfile", str(out), "--outtype", outtype],
+        [sys.executable, *run, str(model_dir), "--outfile", str(out), "--outtype", outtype],
         capture_output=True, text=True,
     )  # fmt: skip
     if done.returncode:
