@@ -178,6 +178,8 @@ def not_in_c(layers: list[LayerWeights]) -> str | None:
     """Why the C step cannot take these layers where it is their norms' dtype; None: it can."""
     if not layers:
         return None
+    if layers[0].sinks is not None:  # (the decode kernel has them; the step passes none)
+        return "attention sinks (gpt-oss; not in the C step)"
     if layers[0].router is not None:
         return "mixture-of-experts layers (not in the C step yet)"
     dtype = layers[0].input_norm.dtype  # GGUF blocks' activations: float32, as their norms
