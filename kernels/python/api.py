@@ -83,7 +83,9 @@ def paged_attention_decode(
         if impl not in (c_backend, torch_ref):
             raise BackendUnavailableError("attention sinks (gpt-oss) have no Triton kernel")
         extra["sinks"] = sinks
-    impl.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, **extra)
+    impl.paged_attention_decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, **extra
+    )
     return out
 
 

@@ -1,6 +1,6 @@
-"""What a config.json says of a mixture of experts (Qwen3-MoE, Mixtral, gpt-oss): ModelConfig's expert
-fields, as transformers reads them; a ValueError naming the key for what nanoserve does not run.
-Imports no torch.
+"""What a config.json says of a mixture of experts (Qwen3-MoE, Mixtral, gpt-oss): ModelConfig's
+expert fields, as transformers reads them; a ValueError naming the key for what nanoserve does
+not run. Imports no torch.
 """
 
 from __future__ import annotations

@@ -79,7 +79,10 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.softmax(top, dim=-1, dtype=top.dtype), experts
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's activation: gate clamped above, up on both sides, (up + 1) * gate's GLU."""
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -19,8 +19,8 @@ import math
 import torch
 
 from nanoserve.kernels import gated_mul, rms_norm, rope_
-from nanoserve.model.attention import AttentionMetadata, attention
 from nanoserve.model import gpt_oss
+from nanoserve.model.attention import AttentionMetadata, attention
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.loader import LlamaWeights
 from nanoserve.model.moe import sparse_moe
