@@ -1,9 +1,9 @@
 """gpt-oss (GptOssForCausalLM) from a Hugging Face directory, in float32 on the CPU: a random
 checkpoint written by transformers (alternating sliding-window and full layers, YaRN, attention
 sinks, biases, a clamped SwiGLU that clamps) gives its greedy ids (C decode and prefill kernels,
-chunked prefill, preemption) and its prompt logprobs; the attention sinks of the decode and
-prefill kernels against a float64 softmax, row for row the same bits in any batch or chunk; and
-what this tranche leaves out (MXFP4 weights, Triton sinks) refused by name.
+or the torch reference; chunked prefill, preemption) and its prompt logprobs; the attention
+sinks of the decode and prefill kernels against a float64 softmax, row for row the same bits in
+any batch or chunk; and what this tranche leaves out (MXFP4 weights, CUDA) refused by name.
 """
 
 import json
@@ -53,7 +53,11 @@ def test_the_checkpoint_is_what_the_tests_mean(gpt_oss_dir):
     assert config.qkv_bias and config.o_bias and config.norm_topk_prob
 
 
-@pytest.mark.parametrize("engine_args", [{}, POOL], ids=["default", "preempt-chunk"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, POOL, {"attention_backend": "torch", **POOL}],
+    ids=["default", "preempt-chunk", "torch-attention"],
+)
 def test_greedy_equals_transformers(gpt_oss_dir, engine_args):
     prompts = _prompts(500)
     ours, stats = _ours(gpt_oss_dir, prompts, **engine_args)
