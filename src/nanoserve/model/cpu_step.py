@@ -31,9 +31,9 @@ from nanoserve.model.quantized import Blocks
 from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-# The fields of the C step's struct layer_weights: a layer's, but a mixture of experts' (which the
-# C step does not run: such a model decodes layer by layer).
-C_FIELDS = tuple(name for name, t in LAYER if t.when != "moe")
+# The fields of the C step's struct layer_weights: a layer's, but a mixture of experts' and
+# gpt-oss's (which the C step does not run: such a model decodes layer by layer).
+C_FIELDS = tuple(name for name, t in LAYER if t.when not in ("moe", "gpt_oss"))
 
 
 class CpuDecodeStep:
