@@ -7,6 +7,7 @@ any batch or chunk; and what this tranche leaves out (MXFP4 weights, CUDA) refus
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -92,14 +93,19 @@ def test_mxfp4_weights_are_refused_by_name(gpt_oss_dir, tmp_path):
         ModelConfig.from_dir(path)
 
 
-def test_a_missing_sink_is_refused_by_name(gpt_oss_dir, tmp_path):
-    path = _edited(gpt_oss_dir, tmp_path)
-    tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.self_attn.sinks"]
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+@pytest.mark.parametrize(
+    "name",
+    ["model.layers.1.self_attn.sinks", "model.layers.0.mlp.experts.gate_up_proj_bias",
+     "model.layers.2.mlp.router.bias"],
+)  # fmt: skip
+def test_a_missing_tensor_is_refused_by_its_stored_name(gpt_oss_dir, tmp_path, name):
     from nanoserve.model.checkpoint import HFCheckpoint
 
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.sinks"):
+    path = _edited(gpt_oss_dir, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"no tensor {re.escape(name)}$"):
         HFCheckpoint(path)
 
 

@@ -58,6 +58,16 @@ def kept_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, 
         return [(prefix + kept, shape) for kept, _ in parts]
 
 
+def stored_name(kept: str) -> str:
+    """The stored tensor a kept name is cut from (itself where none is): for error messages."""
+    head, dot, rest = kept.partition(".layers.")
+    number, _, local = rest.partition(".")
+    for stored, parts in STORED.items():
+        if dot and any(local == name for name, _ in parts):
+            return f"{head}.layers.{number}.{stored}"
+    return kept
+
+
 def as_kept(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors under the names and in the layouts model/weights.py keeps."""
     out: dict[str, torch.Tensor] = {}

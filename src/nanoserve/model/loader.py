@@ -194,6 +194,7 @@ def check_tensors(path: str | Path, config: ModelConfig) -> None:
         expected.pop(tied, None)
     if expected:
         missing = next(iter(expected))
+        missing = gpt_oss.stored_name(missing) if config.gpt_oss else missing
         why = " and tie_word_embeddings is false" if missing == tied else ""
         raise CheckpointError(f"{path}: checkpoint has no tensor {missing}{why}")
 
