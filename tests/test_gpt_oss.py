@@ -159,13 +159,14 @@ def gen() -> torch.Generator:
 @pytest.mark.parametrize("backend", ["c", "torch"])
 @pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("shape", [(6, 2, 24, 16), (5, 5, 40, 8), (8, 1, 64, 16)])
-def test_decode_sinks_match_float64(gen, backend, window, shape):
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)], ids=str)
+def test_decode_sinks_match_float64(gen, backend, window, shape, dtype, atol):
     heads, kv_heads, head_dim, block_size = shape
-    case = decode_case(gen, [1, 9, 33, 70], heads, kv_heads, head_dim, block_size, torch.float32)
+    case = decode_case(gen, [1, 9, 33, 70], heads, kv_heads, head_dim, block_size, dtype)
     sinks = _sinks(heads, gen)
     out = kernels.paged_attention_decode(*case.args(), backend=backend, window=window, sinks=sinks)
     torch.testing.assert_close(out.double(), decode_reference(case, sinks, window),
-                               atol=2e-5, rtol=0)  # fmt: skip
+                               atol=atol, rtol=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["c", "torch"])
