@@ -228,6 +228,18 @@ static inline float ns_round(float f, int dtype) {
     return ns_load(&h, 0, dtype);
 }
 
+/* The factor that turns an online softmax's weighted sum acc (scores' max m, sum of exp(score -
+ * m) l) into the attention output: 1 / l, or with an attention sink (gpt-oss: a learned logit
+ * that joins the denominator and weights no value) 1 / (l + exp(sink - m)), rescaled to the
+ * larger of m and sink so that no exp overflows. */
+static inline float ns_sink_scale(float m, float l, const float *sinks, Py_ssize_t head) {
+    if (!sinks) return 1.0f / l;
+    const float sink = sinks[head];
+    if (sink <= m) return 1.0f / (l + ns_exp_nonpos(sink - m));
+    const float e = ns_exp_nonpos(m - sink);
+    return e / (l * e + 1.0f);
+}
+
 /* paged_attention.c: decode attention of one query token per sequence over the paged KV cache,
  * [num_blocks, num_kv_heads, block_size, head_dim]. Each of dtype (q and out) and cache_dtype (k
  * and v) is float32, bfloat16 or float16; any pair works (kernels/python/api.py allows q of
@@ -239,6 +251,7 @@ typedef struct {
     Py_ssize_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks;
     Py_ssize_t max_blocks_per_seq;
     Py_ssize_t window; /* > 0: attend to the last `window` positions only; 0: to all */
+    const float *sinks; /* [num_q_heads] attention sinks (ns_sink_scale), or NULL: none */
     float scale;
     int dtype;       /* of q and out */
     int cache_dtype; /* of k and v */
@@ -258,6 +271,7 @@ typedef struct {
     Py_ssize_t num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks;
     Py_ssize_t table_len, context_len;
     Py_ssize_t window; /* > 0: position p attends to (p - window, p] only; 0: to [0, p] */
+    const float *sinks; /* [num_q_heads] attention sinks (ns_sink_scale), or NULL: none */
     float scale;
     int q_dtype, cache_dtype;
 } prefill_args;

@@ -319,7 +319,7 @@ static void finish_item(const decode_args *a, const scratch *s, Py_ssize_t seq, 
     const Py_ssize_t out_off = (seq * a->num_q_heads + kvh * group) * d;
     for (Py_ssize_t g = 0; g < group; g++) {
         float *acc = s->acc + g * d;
-        const float inv = 1.0f / s->l[g];
+        const float inv = ns_sink_scale(s->m[g], s->l[g], a->sinks, kvh * group + g);
         for (Py_ssize_t i = 0; i < d; i++) acc[i] *= inv;
         store_row((char *)a->out + (size_t)(out_off + g * d) * ns_dtype_size(a->dtype), acc, d,
                   a->dtype);
@@ -426,6 +426,7 @@ static void merge_partitions(const decode_args *a, const scratch *s, const merge
             l += row[group * d + group + g] * w;
             for (Py_ssize_t x = 0; x < d; x++) acc[x] += w * row[g * d + x];
         }
+        s->m[g] = m;
         s->l[g] = l;
     }
     finish_item(a, s, mi->seq, mi->kvh);
@@ -502,16 +503,16 @@ PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, Py
     static char *kwlist[] = {"out", "q", "k_cache", "v_cache", "block_tables", "context_lens",
                              "num_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size",
                              "num_blocks", "max_blocks_per_seq", "scale", "dtype_code",
-                             "cache_dtype_code", "num_threads", "window", NULL};
-    unsigned long long out, q, k, v, tables, lens;
+                             "cache_dtype_code", "num_threads", "window", "sinks", NULL};
+    unsigned long long out, q, k, v, tables, lens, sinks = 0;
     decode_args a = {0};
     double scale;
     int num_threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKKnnnnnnndiii|n", kwlist, &out, &q, &k,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKKnnnnnnndiii|nK", kwlist, &out, &q, &k,
                                      &v, &tables, &lens, &a.num_seqs, &a.num_q_heads,
                                      &a.num_kv_heads, &a.head_dim, &a.block_size, &a.num_blocks,
                                      &a.max_blocks_per_seq, &scale, &a.dtype, &a.cache_dtype,
-                                     &num_threads, &a.window))
+                                     &num_threads, &a.window, &sinks))
         return NULL;
     if (!ns_dtype_ok(a.dtype) || !ns_cache_ok(a.cache_dtype, a.head_dim) || a.num_kv_heads < 1 ||
         a.head_dim < 1 || a.window < 0 || a.block_size < 1 ||
@@ -526,6 +527,7 @@ PyObject *nanoserve_py_paged_attention_decode(PyObject *self, PyObject *args, Py
     a.v = (const void *)(uintptr_t)v;
     a.block_tables = (const int32_t *)(uintptr_t)tables;
     a.context_lens = (const int32_t *)(uintptr_t)lens;
+    a.sinks = (const float *)(uintptr_t)sinks;
     a.scale = (float)scale;
     if (nanoserve_check_tables(&a) < 0) return NULL;
     int rc;

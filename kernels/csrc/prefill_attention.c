@@ -233,8 +233,9 @@ static void store_outputs(const prefill_args *a, const scratch *s, Py_ssize_t kv
     for (Py_ssize_t r = 0; r < (t1 - t0) * group; r++) {
         const Py_ssize_t t = t0 + r / group, c = r / ROWS, lane = r % ROWS;
         const float *acc = s->acc + c * d * ROWS + lane;
-        const float inv = 1.0f / s->l[r];
-        const Py_ssize_t at = (t * a->num_q_heads + kvh * group + r % group) * d;
+        const Py_ssize_t head = kvh * group + r % group;
+        const float inv = ns_sink_scale(s->m[r], s->l[r], a->sinks, head);
+        const Py_ssize_t at = (t * a->num_q_heads + head) * d;
         for (Py_ssize_t i = 0; i < d; i++)
             ns_store(a->out, at + i, acc[i * ROWS] * inv, a->q_dtype);
     }
@@ -352,16 +353,16 @@ PyObject *nanoserve_py_paged_attention_prefill(PyObject *self, PyObject *args, P
                              "block_table", "num_tokens",  "num_q_heads", "num_kv_heads",
                              "head_dim",    "block_size",  "num_blocks", "table_len",
                              "context_len", "scale",       "q_dtype",    "cache_dtype",
-                             "num_threads", "window",      NULL};
-    unsigned long long out, q, k, v, table;
+                             "num_threads", "window",      "sinks",    NULL};
+    unsigned long long out, q, k, v, table, sinks = 0;
     prefill_args a = {0};
     double scale;
     int num_threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKnnnnnnnndiii|n", kwlist, &out, &q, &k,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKnnnnnnnndiii|nK", kwlist, &out, &q, &k,
                                      &v, &table, &a.num_tokens, &a.num_q_heads, &a.num_kv_heads,
                                      &a.head_dim, &a.block_size, &a.num_blocks, &a.table_len,
                                      &a.context_len, &scale, &a.q_dtype, &a.cache_dtype,
-                                     &num_threads, &a.window))
+                                     &num_threads, &a.window, &sinks))
         return NULL;
     if ((a.q_dtype != NS_F32 && a.q_dtype != NS_BF16) || !ns_cache_ok(a.cache_dtype, a.head_dim) ||
         a.num_tokens < 0 || a.num_kv_heads < 1 || a.head_dim < 1 ||
@@ -376,6 +377,7 @@ PyObject *nanoserve_py_paged_attention_prefill(PyObject *self, PyObject *args, P
     a.k = (const void *)(uintptr_t)k;
     a.v = (const void *)(uintptr_t)v;
     a.block_table = (const int32_t *)(uintptr_t)table;
+    a.sinks = (const float *)(uintptr_t)sinks;
     a.scale = (float)scale;
     if (nanoserve_check_prefill_table(&a) < 0) return NULL;
     int rc;

@@ -48,6 +48,7 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache; returns out.
 
@@ -64,22 +65,27 @@ def paged_attention_decode(
     backend: "auto" (triton for CUDA tensors, c for CPU tensors), "torch", "c" or "triton".
     window: a sliding window, > 0: the query (at position context_lens[i] - 1) attends to the
     last `window` positions only; 0: to all.
+    sinks: None, or [num_q_heads] float32 attention sinks (gpt-oss): each head's learned logit
+    joins its softmax's denominator and weights no value (torch and c backends).
     """
     _check_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
+    _check_sinks(sinks, q)
     if out is None:
         out = torch.empty_like(q)
     impl = _backend(backend, q.device)
     _check_backend_dtypes(impl, "q", q, k_cache)
     if impl is not c_backend and q.device.type == "cpu":
         c_backend.check_tables(block_tables, context_lens, k_cache.shape[0], k_cache.shape[2])
-    if window:
-        impl.paged_attention_decode(
-            q, k_cache, v_cache, block_tables, context_lens, scale, out, window=window
-        )
-    else:
-        impl.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    extra: dict[str, object] = {"window": window} if window else {}
+    if sinks is not None:
+        if impl not in (c_backend, torch_ref):
+            raise BackendUnavailableError("attention sinks (gpt-oss) have no Triton kernel")
+        extra["sinks"] = sinks
+    impl.paged_attention_decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, out, **extra
+    )
     return out
 
 
@@ -96,6 +102,7 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's chunk of new tokens over its paged KV cache; returns out.
 
@@ -107,9 +114,10 @@ def paged_attention_prefill(
     first); block_table [n] int32, of which the first ceil(context_len / block_size) entries are
     read. window > 0: position p sees (p - window, p] only. out: like q. backend: "auto" (c for
     CPU tensors; torch, the gather-and-mask reference, for CUDA tensors, where the model's prefill
-    uses torch SDPA instead), "c" or "torch".
+    uses torch SDPA instead), "c" or "torch". sinks: as in paged_attention_decode.
     """
     _check_prefill(q, k_cache, v_cache, block_table, context_len, scale, out, window)
+    _check_sinks(sinks, q)
     if out is None:
         out = torch.empty_like(q)
     if backend == "triton":
@@ -121,7 +129,7 @@ def paged_attention_prefill(
         )
     if q.shape[0]:
         impl.paged_attention_prefill(
-            q, k_cache, v_cache, block_table, context_len, scale, out, window=window
+            q, k_cache, v_cache, block_table, context_len, scale, out, window=window, sinks=sinks
         )
     return out
 
@@ -434,6 +442,17 @@ def _check_prefill(q, k_cache, v_cache, block_table, context_len, scale, out, wi
     _check_scale(scale)
     _check_device(q.device, k_cache=k_cache, v_cache=v_cache, block_table=block_table)
     _check_out(out, q, layout)
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """None, or one float32 logit per query head, contiguous, on q's device."""
+    if sinks is None:
+        return
+    _check_tensor("sinks", sinks, "[num_q_heads]")
+    _check_dtype("sinks", sinks, (torch.float32,))
+    if sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"sinks has {sinks.shape[0]} entries, q has {q.shape[1]} heads")
+    _check_device(q.device, sinks=sinks)
 
 
 def _check_heads(num_q_heads: int, q_head_dim: int, num_kv_heads: int, head_dim: int) -> None:

@@ -57,6 +57,7 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape  # (a q8_0 cache's rows are bytes)
     head_dim = q.shape[2]
@@ -77,6 +78,7 @@ def paged_attention_decode(
         max_blocks_per_seq=block_tables.shape[1],
         scale=float(scale),
         window=window,
+        sinks=_address(sinks),
         dtype_code=DTYPE_CODES[q.dtype],
         cache_dtype_code=DTYPE_CODES[k_cache.dtype],
         num_threads=torch.get_num_threads(),  # one thread setting for torch and the kernel
@@ -92,6 +94,7 @@ def paged_attention_prefill(
     scale: float,
     out: torch.Tensor,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     head_dim = q.shape[2]
@@ -115,7 +118,13 @@ def paged_attention_prefill(
         cache_dtype=DTYPE_CODES[k_cache.dtype],
         num_threads=torch.get_num_threads(),
         window=window,
+        sinks=_address(sinks),
     )
+
+
+def _address(t: torch.Tensor | None) -> int:
+    """A tensor's data pointer, 0 (NULL in C) for None."""
+    return 0 if t is None else t.data_ptr()
 
 
 def store_kv(

@@ -56,6 +56,7 @@ def paged_attention_decode(
     scale: float,
     out: torch.Tensor,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     num_seqs, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -83,7 +84,8 @@ def paged_attention_decode(
     if window:  # positions before the window: the query is at lens - 1
         padding |= torch.arange(max_ctx, device=q.device) < lens[:, None] - window
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    sink = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+    probs = softmax_with_sinks(scores, sink)
     # The slots past a sequence's length were never written (the cache is uninitialized memory):
     # a NaN there times its zero probability would still be NaN.
     v.masked_fill_(padding[:, None, :, None], 0.0)
@@ -99,6 +101,7 @@ def paged_attention_prefill(
     scale: float,
     out: torch.Tensor,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
@@ -118,8 +121,18 @@ def paged_attention_prefill(
     hidden = cols > rows
     if window:
         hidden |= cols <= rows - window
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    sink = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1)
+    probs = softmax_with_sinks(scores.masked_fill(hidden, float("-inf")), sink)
     out.copy_((probs @ v.unsqueeze(1)).permute(2, 0, 1, 3).reshape(out.shape))
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax over the last dimension, with each row's sink logit (broadcast to a column)
+    in the denominator and no value of its own, as transformers' gpt-oss computes it."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
 
 
 def store_kv(

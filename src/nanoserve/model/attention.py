@@ -57,6 +57,7 @@ def attention(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: gpt-oss's attention sinks
 ) -> torch.Tensor:
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=_store_backend(meta.backend))
     out = torch.empty_like(q)
@@ -72,14 +73,17 @@ def attention(
             out=out[:n],
             backend=meta.backend,
             window=window,
+            sinks=sinks,
         )
     c_prefill = q.device.type == "cpu" and meta.backend in ("auto", "c") and c_backend.enabled()
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
-        if c_prefill:  # reads the chunk's own rows back from the cache, as decode will
+        # Reads the chunk's own rows back from the cache, as decode will. SDPA has no sinks:
+        # elsewhere they take the kernels' torch reference.
+        if c_prefill or sinks is not None:
             paged_attention_prefill(
                 q[rows], k_cache, v_cache, chunk.block_table, chunk.context_len, scale,
-                out=out[rows], backend="c", window=window,
+                out=out[rows], backend="c" if c_prefill else "torch", window=window, sinks=sinks,
             )  # fmt: skip
         else:
             out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, window)

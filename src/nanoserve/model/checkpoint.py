@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from nanoserve.model import gpt_oss
 from nanoserve.model.config import CheckpointError, ModelConfig
 from nanoserve.model.loader import check_tensors, read_checkpoint, tensor_elements
 from nanoserve.model.quantized import Weight
@@ -63,7 +64,8 @@ class HFCheckpoint:
     def read_tensors(
         self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
     ) -> dict[str, Weight]:
-        return dict(read_checkpoint(self.path, dtype, device))  # stored as floats
+        raw = read_checkpoint(self.path, dtype, device)  # stored as floats
+        return dict(gpt_oss.as_kept(raw) if self.config.gpt_oss else raw)
 
     def weight_bytes(self, dtype: torch.dtype, keep_blocks: bool = False) -> int:
         return tensor_elements(self.path) * dtype.itemsize

@@ -30,6 +30,9 @@ FAMILIES = {
     # place of every layer's MLP (model/moe.py).
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Attention sinks, biases everywhere, a clamped SwiGLU (model/gpt_oss.py), alternating
+    # sliding-window and full layers, YaRN.
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # The bare decoders embedding checkpoints are saved from (Qwen3-Embedding): their causal LM's
@@ -99,6 +102,15 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_size: int = 0
     norm_topk_prob: bool = False
+    # gpt-oss's experts: gate clamped above and up on both sides at swiglu_limit, then
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate); 0: Qwen3-MoE's and Mixtral's SwiGLU.
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+
+    @property
+    def gpt_oss(self) -> bool:
+        """Attention sinks, a router with a bias, experts with biases stored as gpt-oss's."""
+        return self.family == "gpt_oss"
 
     @property
     def moe(self) -> bool:
@@ -172,6 +184,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             layer_windows=_layer_windows(d, family),
             **moe,
+            **_gpt_oss_fields(d, family),
         )
 
 
@@ -334,6 +347,16 @@ def _gemma3_ropes(d: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     except ValueError as e:
         raise ValueError(f"sliding_attention layers: {e}") from None
     return rope, local_rope
+
+
+def _gpt_oss_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
+    """GptOssConfig's SwiGLU alpha and limit, with its defaults (1.702, 7.0)."""
+    if family != "gpt_oss":
+        return {}
+    return {
+        "swiglu_alpha": positive_number(d, "swiglu_alpha", 1.702),
+        "swiglu_limit": positive_number(d, "swiglu_limit", 7.0),
+    }
 
 
 def _layer_windows(d: dict[str, Any], family: str) -> tuple[int, ...]:

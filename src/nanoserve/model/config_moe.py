@@ -1,6 +1,6 @@
-"""What a config.json says of a mixture of experts (Qwen3-MoE, Mixtral): ModelConfig's expert
-fields, as transformers reads them; a ValueError naming the key for what nanoserve does not run.
-Imports no torch.
+"""What a config.json says of a mixture of experts (Qwen3-MoE, Mixtral, gpt-oss): ModelConfig's
+expert fields, as transformers reads them; a ValueError naming the key for what nanoserve does
+not run. Imports no torch.
 """
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from typing import Any
 
 from nanoserve.model.config_fields import flag, positive_int
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
 def moe_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
     """The ModelConfig fields of a mixture of experts as transformers 5 reads them (none for a
     dense family): Qwen3-MoE's num_experts (saved as num_local_experts), moe_intermediate_size
-    and norm_topk_prob; Mixtral's num_local_experts and intermediate_size, always renormalized.
+    and norm_topk_prob; Mixtral's (and gpt-oss's) num_local_experts and intermediate_size,
+    always renormalized (gpt-oss's softmax is over the chosen k).
     A sparse block on every layer only: Qwen3-MoE's dense layers are refused by name."""
     if family not in MOE_FAMILIES:
         for key in ("num_experts", "num_local_experts"):
@@ -33,15 +34,16 @@ def moe_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
                 f"decoder_sparse_step {d['decoder_sparse_step']!r} is not implemented (only 1: "
                 "every layer sparse)"
             )
-    key = "num_local_experts" if family == "mixtral" or "num_experts" not in d else "num_experts"
+    local = family in ("mixtral", "gpt_oss")
+    key = "num_local_experts" if local or "num_experts" not in d else "num_experts"
     experts = positive_int(d, key)
     per_token = positive_int(d, "num_experts_per_tok")
     if per_token > experts:
         raise ValueError(f"num_experts_per_tok ({per_token}) must be at most {key} ({experts})")
-    size_key = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+    size_key = "intermediate_size" if local else "moe_intermediate_size"
     return {
         "num_experts": experts,
         "experts_per_token": per_token,
         "expert_size": positive_int(d, size_key),
-        "norm_topk_prob": family == "mixtral" or flag(d, "norm_topk_prob", False),
+        "norm_topk_prob": local or flag(d, "norm_topk_prob", False),
     }

@@ -31,9 +31,9 @@ from nanoserve.model.quantized import Blocks
 from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-# The fields of the C step's struct layer_weights: a layer's, but a mixture of experts' (which the
-# C step does not run: such a model decodes layer by layer).
-C_FIELDS = tuple(name for name, t in LAYER if t.when != "moe")
+# The fields of the C step's struct layer_weights: a layer's, but a mixture of experts' and
+# gpt-oss's (which the C step does not run: such a model decodes layer by layer).
+C_FIELDS = tuple(name for name, t in LAYER if t.when not in ("moe", "gpt_oss"))
 
 
 class CpuDecodeStep:
@@ -178,6 +178,8 @@ def not_in_c(layers: list[LayerWeights]) -> str | None:
     """Why the C step cannot take these layers where it is their norms' dtype; None: it can."""
     if not layers:
         return None
+    if layers[0].sinks is not None:  # (the decode kernel has them; the step passes none)
+        return "attention sinks (gpt-oss; not in the C step)"
     if layers[0].router is not None:
         return "mixture-of-experts layers (not in the C step yet)"
     dtype = layers[0].input_norm.dtype  # GGUF blocks' activations: float32, as their norms

@@ -19,6 +19,7 @@ import math
 import torch
 
 from nanoserve.kernels import gated_mul, rms_norm, rope_
+from nanoserve.model import gpt_oss
 from nanoserve.model.attention import AttentionMetadata, attention
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.loader import LlamaWeights
@@ -55,6 +56,8 @@ class Llama:
         windows = config.layer_windows or (0,) * config.num_layers
         self.per_layer = [(w, *(self.local if w else (self.cos, self.sin))) for w in windows]
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
+        # gpt-oss's attention sinks in float32, as the kernels take them in any model dtype.
+        self.sinks = [None if x.sinks is None else x.sinks.float() for x in weights.layers]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [len(ids), hidden]: a fresh tensor the layers may update."""
@@ -75,8 +78,8 @@ class Llama:
         c, heads, kv_heads, reduce = self.config, self.num_heads, self.num_kv_heads, self.parallel
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         eps = c.rms_norm_eps
-        layers = zip(self.weights.layers, kv_caches, self.per_layer, strict=True)
-        for layer, (k_cache, v_cache), (window, cos, sin) in layers:
+        layers = zip(self.weights.layers, kv_caches, self.per_layer, self.sinks, strict=True)
+        for layer, (k_cache, v_cache), (window, cos, sin), sinks in layers:
             qkv = _biased(layer.qkv(_rms(h, layer.input_norm, eps)), layer.qkv_bias)
             if layer.q_norm is not None:
                 _norm_heads(qkv, q_size, layer.q_norm, 0, eps)
@@ -86,7 +89,7 @@ class Llama:
             q = q.reshape(-1, heads, c.head_dim).contiguous()
             k = k.reshape(-1, kv_heads, c.head_dim).contiguous()
             v = v.reshape(-1, kv_heads, c.head_dim).contiguous()
-            a = attention(q, k, v, k_cache, v_cache, meta, self.scale, window)
+            a = attention(q, k, v, k_cache, v_cache, meta, self.scale, window, sinks)
             # o and down are row-parallel: each rank's product is a partial sum of the whole.
             # A row-parallel bias is added once, to the sum.
             o = _biased(reduce.all_reduce(layer.o(a.view(-1, q_size))), layer.o_bias)
@@ -99,6 +102,8 @@ class Llama:
         """The gated MLP of x, or the mixture of experts in its place (model/moe.py; in one
         process: tensor parallelism refuses an MoE model)."""
         c = self.config
+        if c.gpt_oss:
+            return self._gpt_oss_moe(layer, x)
         if layer.router is not None:
             assert layer.experts_gate and layer.experts_up and layer.experts_down
             # Mixtral's routing weights stay float32 (transformers'; llama.cpp's too), a GGUF
@@ -112,6 +117,19 @@ class Llama:
         gate_up = _biased(layer.gate_up(x), layer.gate_up_bias)
         gated = gated_mul(gate_up, c.activation)  # the one-call C step's bits on a CPU
         return _biased(self.parallel.all_reduce(layer.down(gated)), layer.down_bias)
+
+    def _gpt_oss_moe(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        assert layer.router is not None and layer.experts_gate and layer.experts_up
+        assert layer.experts_down and layer.router_bias is not None
+        assert layer.experts_gate_bias is not None and layer.experts_up_bias is not None
+        assert layer.experts_down_bias is not None
+        logits = _biased(layer.router(x), layer.router_bias)
+        projections = (layer.experts_gate, layer.experts_up, layer.experts_down)
+        biases = (layer.experts_gate_bias, layer.experts_up_bias, layer.experts_down_bias)
+        return gpt_oss.experts_moe(
+            x, logits, projections, biases, c.experts_per_token, c.swiglu_alpha, c.swiglu_limit
+        )
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of hidden states (the rows whose logits are wanted)."""

@@ -86,6 +86,10 @@ def load_model(
     positions: int,
 ) -> Llama:
     """This rank's model on its device, with RoPE tables for `positions` positions."""
+    if checkpoint.config.gpt_oss and device.type != "cpu":
+        raise SettingError(
+            "device", config.device, "cpu for gpt-oss, whose attention sinks have no Triton kernel"
+        )
     return Llama(checkpoint.config, _weights(checkpoint, config, device, parallel), positions,
                  parallel)  # fmt: skip
 

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanoserve.kernels import QuantizedParts
+from nanoserve.model import gpt_oss
 from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
 from nanoserve.model.moe import Experts
@@ -29,6 +30,7 @@ from nanoserve.model.quantized import Blocks, QuantLinear, Weight, cat_rows, pla
 from nanoserve.model.weights import (
     LAYER,
     MODEL,
+    PER_EXPERT,
     LayerWeights,
     LlamaWeights,
     Tensor,
@@ -124,7 +126,7 @@ def fuse(weights: dict[str, Weight], config: ModelConfig) -> list[Weight]:
                 raise ValueError(f"checkpoint has no {keys[0]} and tie_word_embeddings is false")
             out.append(taken[t.tied_to])
             continue
-        if t.kind == "experts":
+        if t.kind in PER_EXPERT:
             out.append(_experts(weights, prefix, t, config))
             continue
         parts = [weights.pop(key) for key in keys]
@@ -182,25 +184,34 @@ def check_tensors(path: str | Path, config: ModelConfig) -> None:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name.endswith(IGNORED):
                     continue
-                _check_tensor(file, name, f.get_slice(name), expected, config)
-                expected.pop(name, None)
+                info = f.get_slice(name)
+                dtype, shape = info.get_dtype(), tuple(info.get_shape())
+                kept = gpt_oss.kept_names(name, shape) if config.gpt_oss else [(name, shape)]
+                for kept_name, kept_shape in kept:
+                    _check_tensor(file, kept_name, dtype, kept_shape, expected, config)
+                    expected.pop(kept_name, None)
     if config.tie_word_embeddings:
         expected.pop(tied, None)
     if expected:
         missing = next(iter(expected))
+        missing = gpt_oss.stored_name(missing) if config.gpt_oss else missing
         why = " and tie_word_embeddings is false" if missing == tied else ""
         raise CheckpointError(f"{path}: checkpoint has no tensor {missing}{why}")
 
 
 def _check_tensor(
-    file: Path, name: str, info: Any, expected: dict[str, tuple[int, ...] | None], c: ModelConfig
+    file: Path,
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    expected: dict[str, tuple[int, ...] | None],
+    c: ModelConfig,
 ) -> None:
     if name not in expected:
         raise CheckpointError(
             f"{file}: tensor {name} is not part of a {c.family} model with this config.json "
             "(nanoserve refuses a checkpoint whose tensors it would not all use)"
         )
-    dtype, shape = info.get_dtype(), tuple(info.get_shape())
     if dtype not in FLOAT_DTYPES:
         raise CheckpointError(
             f"{file}: tensor {name} is {dtype}: nanoserve loads float32, bfloat16 and float16 "

@@ -30,9 +30,11 @@ Shard = Literal["column", "row", "vocab", "replicated"]
 # (floats or GGUF blocks, as they come); norm, bias: a vector, always floats (a bias is added to a
 # matrix's product: a row-parallel one once, after the all-reduce); experts: one matrix per
 # expert, stacked into one 3-D tensor (or one run of GGUF blocks, expert after expert), kept as
-# model/moe.py's `Experts`. An experts tensor's Hugging Face names hold "{e}", the expert's index:
-# one name per expert in a checkpoint, the name without ".{e}" for the stacked tensor (GGUF's).
-Kind = Literal["matrix", "embedding", "norm", "bias", "experts"]
+# model/moe.py's `Experts`; expert_bias: a vector per expert, stacked [experts, rows] (gpt-oss).
+# An experts tensor's Hugging Face names hold "{e}", the expert's index: one name per expert in a
+# checkpoint, the name without ".{e}" for the stacked tensor (GGUF's; gpt-oss's, which only
+# stacked names have).
+Kind = Literal["matrix", "embedding", "norm", "bias", "experts", "expert_bias"]
 Shapes = Callable[[ModelConfig], list[tuple[int, ...]]]
 
 
@@ -139,6 +141,28 @@ class LayerWeights:
         kind="experts", when="moe", parts=lambda c: [(c.hidden_size, c.expert_size)],
         renamed=("mixtral_names", ("block_sparse_moe.experts.{e}.w2",)),
     )  # fmt: skip
+    # gpt-oss's (model/gpt_oss.py: its checkpoint's tensors under these names): a bias of the
+    # router and of each expert's projections (stacked [experts, rows]), and attention sinks.
+    router_bias: torch.Tensor | None = _optional(
+        hf=("mlp.gate",), gguf=("ffn_gate_inp",), shard="replicated", kind="bias",
+        suffix="bias", when="gpt_oss", parts=lambda c: [(c.num_experts,)],
+    )  # fmt: skip
+    experts_gate_bias: torch.Tensor | None = _optional(
+        hf=("mlp.experts.{e}.gate_proj",), gguf=("ffn_gate_exps",), shard="replicated",
+        kind="expert_bias", suffix="bias", when="gpt_oss", parts=lambda c: [(c.expert_size,)],
+    )  # fmt: skip
+    experts_up_bias: torch.Tensor | None = _optional(
+        hf=("mlp.experts.{e}.up_proj",), gguf=("ffn_up_exps",), shard="replicated",
+        kind="expert_bias", suffix="bias", when="gpt_oss", parts=lambda c: [(c.expert_size,)],
+    )  # fmt: skip
+    experts_down_bias: torch.Tensor | None = _optional(
+        hf=("mlp.experts.{e}.down_proj",), gguf=("ffn_down_exps",), shard="replicated",
+        kind="expert_bias", suffix="bias", when="gpt_oss", parts=lambda c: [(c.hidden_size,)],
+    )  # fmt: skip
+    sinks: torch.Tensor | None = _optional(  # [heads]: each head's logit in its softmax's sum
+        hf=("self_attn.sinks",), gguf=("attn_sinks",), shard="column", kind="bias",
+        when="gpt_oss", parts=lambda c: [(c.num_heads,)],
+    )  # fmt: skip
     # A family's options, None where its config leaves them out.
     qkv_bias: torch.Tensor | None = _optional(
         hf=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -197,6 +221,7 @@ def _described(cls: type) -> tuple[tuple[str, Tensor], ...]:
     return tuple((f.name, f.metadata["tensor"]) for f in fields(cls) if "tensor" in f.metadata)
 
 
+PER_EXPERT = ("experts", "expert_bias")  # the kinds with a tensor per expert
 LAYER = _described(LayerWeights)  # (field, Tensor) of a layer's tensors, in order
 MODEL = _described(LlamaWeights)  # (field, Tensor) of the model's own, in order
 
@@ -213,8 +238,11 @@ def listed(config: ModelConfig) -> list[tuple[str, str, Tensor]]:
 
 def names(prefix: str, t: Tensor, config: ModelConfig) -> list[str]:
     """The Hugging Face names of a tensor's parts, e.g. model.layers.0.self_attn.q_proj.bias; an
-    experts tensor's, one per expert (model.layers.0.mlp.experts.3.up_proj.weight)."""
-    if t.kind == "experts":
+    experts tensor's, one per expert (model.layers.0.mlp.experts.3.up_proj.weight), or the
+    stacked one (gpt-oss's)."""
+    if t.kind in PER_EXPERT and config.gpt_oss:
+        return [f"{prefix}{part}.{t.suffix}" for part in t.stacked_names(config)]
+    if t.kind in PER_EXPERT:
         return [f"{prefix}{part.format(e=e)}.{t.suffix}"
                 for part in t.hf_names(config) for e in range(config.num_experts)]  # fmt: skip
     return [f"{prefix}{part}.{t.suffix}" for part in t.hf_names(config)]
@@ -223,7 +251,9 @@ def names(prefix: str, t: Tensor, config: ModelConfig) -> list[str]:
 def part_shapes(t: Tensor, config: ModelConfig) -> list[tuple[int, ...]]:
     """The shape of each name `names` gives (an experts tensor's: each expert's matrix)."""
     assert t.parts is not None, "only a layer's tensors have shapes"
-    return t.parts(config) * (config.num_experts if t.kind == "experts" else 1)
+    if t.kind in PER_EXPERT and config.gpt_oss:
+        return [(config.num_experts, *shape) for shape in t.parts(config)]
+    return t.parts(config) * (config.num_experts if t.kind in PER_EXPERT else 1)
 
 
 def matrices(layer: LayerWeights) -> list[Matrix]:

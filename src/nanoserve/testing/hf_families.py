@@ -31,6 +31,7 @@ CONFIGS = {
     "gemma3_text": transformers.Gemma3TextConfig,
     "mixtral": transformers.MixtralConfig,
     "qwen3_moe": transformers.Qwen3MoeConfig,
+    "gpt_oss": transformers.GptOssConfig,
 }
 SMALL = dict(
     vocab_size=1024,

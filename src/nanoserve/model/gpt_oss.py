@@ -1,0 +1,125 @@
+"""gpt-oss (GptOssForCausalLM) as transformers computes it, in what differs from the other
+mixtures of experts: its checkpoint's tensors under the names model/weights.py gives them (gate
+and up de-interleaved and every expert matrix transposed to [rows, columns]), its router (top k
+of the biased logits, then a softmax over those k) and its experts (biased projections and a
+clamped SwiGLU). Its attention sinks are the kernels' (`sinks=` of the paged attention calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nanoserve.model.moe import Experts
+
+Split = Callable[[torch.Tensor], torch.Tensor]
+
+# A stored tensor's name (after "model.layers.N.") -> the names it is kept under and how each is
+# cut from it. gate_up_proj is [experts, hidden, 2 * intermediate], gate and up interleaved
+# column by column; down_proj [experts, intermediate, hidden].
+STORED: dict[str, list[tuple[str, Split]]] = {
+    "mlp.router.weight": [("mlp.gate.weight", lambda w: w)],
+    "mlp.router.bias": [("mlp.gate.bias", lambda w: w)],
+    "self_attn.sinks": [("self_attn.sinks.weight", lambda w: w)],
+    "mlp.experts.gate_up_proj": [
+        ("mlp.experts.gate_proj.weight", lambda w: w[..., ::2].transpose(1, 2)),
+        ("mlp.experts.up_proj.weight", lambda w: w[..., 1::2].transpose(1, 2)),
+    ],
+    "mlp.experts.gate_up_proj_bias": [
+        ("mlp.experts.gate_proj.bias", lambda w: w[..., ::2]),
+        ("mlp.experts.up_proj.bias", lambda w: w[..., 1::2]),
+    ],
+    "mlp.experts.down_proj": [("mlp.experts.down_proj.weight", lambda w: w.transpose(1, 2))],
+    "mlp.experts.down_proj_bias": [("mlp.experts.down_proj.bias", lambda w: w)],
+}
+
+
+def _split(name: str) -> tuple[str, list[tuple[str, Split]]] | None:
+    """(the layer's prefix, STORED's entry) of a stored layer tensor's name, or None."""
+    head, dot, rest = name.partition(".layers.")
+    number, _, local = rest.partition(".")
+    if not dot or local not in STORED:
+        return None
+    return f"{head}.layers.{number}.", STORED[local]
+
+
+def kept_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) pairs a stored tensor is kept as (itself where STORED has no entry),
+    from its header alone: for the checkpoint's check before anything loads."""
+    found = _split(name)
+    if found is None:
+        return [(name, shape)]
+    prefix, parts = found
+    meta = torch.empty(shape, device="meta")
+    try:
+        return [(prefix + kept, tuple(cut(meta).shape)) for kept, cut in parts]
+    except IndexError:  # a tensor of too few dimensions: the shape check names it
+        return [(prefix + kept, shape) for kept, _ in parts]
+
+
+def stored_name(kept: str) -> str:
+    """The stored tensor a kept name is cut from (itself where none is): for error messages."""
+    head, dot, rest = kept.partition(".layers.")
+    number, _, local = rest.partition(".")
+    for stored, parts in STORED.items():
+        if dot and any(local == name for name, _ in parts):
+            return f"{head}.layers.{number}.{stored}"
+    return kept
+
+
+def as_kept(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under the names and in the layouts model/weights.py keeps."""
+    out: dict[str, torch.Tensor] = {}
+    for name in list(raw):
+        found = _split(name)
+        if found is None:
+            out[name] = raw.pop(name)
+            continue
+        prefix, parts = found
+        w = raw.pop(name)
+        for kept, cut in parts:
+            out[prefix + kept] = cut(w).contiguous()
+    return out
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) [tokens, top_k]: the k largest logits, softmaxed among themselves."""
+    top, experts = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), experts
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+) -> torch.Tensor:
+    """gpt-oss's activation: gate clamped above, up on both sides, (up + 1) * gate's GLU."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def experts_moe(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    projections: tuple[Experts, Experts, Experts],
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    top_k: int,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """The block's output [tokens, hidden] for x and its router logits (bias added): each chosen
+    expert's biased gate and up, the clamped SwiGLU, the biased down, times the token's weight,
+    added up expert after expert (transformers' order)."""
+    gate, up, down = projections
+    gate_bias, up_bias, down_bias = biases
+    weights, experts = route(logits, top_k)
+    out = torch.zeros_like(x)
+    for expert in torch.unique(experts).tolist():
+        tokens, slot = torch.where(experts == expert)
+        xs = x[tokens]
+        h = clamped_swiglu(
+            gate(expert, xs) + gate_bias[expert], up(expert, xs) + up_bias[expert], alpha, limit
+        )
+        y = (down(expert, h) + down_bias[expert]) * weights[tokens, slot, None]
+        out.index_add_(0, tokens, y.to(x.dtype))
+    return out
