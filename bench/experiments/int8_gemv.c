@@ -6,6 +6,7 @@
  * rows' 4-byte words side by side (word q of rows 0..15 in 64 bytes), so a group is 4 plain loads
  * and W streams in order. Built by int8_gemv.py with -march=native (AVX-512 VNNI needed).
  *
+ * xlo (Q4_K, optional): x as 128 xq + xlo, two int8 dots per value for 15-bit activations.
  * x: xq (int8), dx (its scale per 32), sx (dx times the sum of xq per 32, Q4_K's min term) and
  * bsum16 (the sum of xq per 16, Q6_K's offset of 32). PF: super-blocks prefetched ahead.
  */
@@ -68,8 +69,8 @@ INLINE __m512i dot4(__m512i acc, __m512i w, const int8_t *x) {
     return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
 }
 
-TARGET void q4k_gemv_int8(float *out, const int8_t *xq, const float *dx, const float *sx,
-                          const char *w, int N, int K, int inter) {
+TARGET void q4k_gemv_int8(float *out, const int8_t *xq, const int8_t *xlo, const float *dx,
+                          const float *sx, const char *w, int N, int K, int inter) {
     const int nb = K / 256;
     const size_t stride = (size_t)nb * Q4K_BYTES;
     const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15),
@@ -108,6 +109,15 @@ TARGET void q4k_gemv_int8(float *out, const int8_t *xq, const float *dx, const f
                         dot = dot4(dot, _mm512_and_si512(_mm512_srli_epi32(q0[i], 4 * h), nib), x + 4 * i);
                     for (int i = 0; i < 4; i++)
                         dot = dot4(dot, _mm512_and_si512(_mm512_srli_epi32(q1[i], 4 * h), nib), x + 16 + 4 * i);
+                    if (xlo) { /* x = 128 hi + lo: the low 7 bits' dot too, exact in int32 */
+                        const int8_t *lo = xlo + 256 * b + 32 * j;
+                        __m512i dlo = _mm512_setzero_si512();
+                        for (int i = 0; i < 4; i++)
+                            dlo = dot4(dlo, _mm512_and_si512(_mm512_srli_epi32(q0[i], 4 * h), nib), lo + 4 * i);
+                        for (int i = 0; i < 4; i++)
+                            dlo = dot4(dlo, _mm512_and_si512(_mm512_srli_epi32(q1[i], 4 * h), nib), lo + 16 + 4 * i);
+                        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 7), dlo);
+                    }
                     const int at = 8 * b + j;
                     const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
                     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(dx[at])), acc);

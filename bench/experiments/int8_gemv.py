@@ -1,5 +1,7 @@
 """What int8 activations and an interleaved weight layout would give the K-quant decode GEMV
 (M = 1), measured beside the module's kernel (int16 activations, GGUF rows transposed per block).
+For Q4_K also 15-bit activations held as two int8 parts (x = 128 hi + lo, lo 0..127): two
+vpdpbusd give the 15-bit dot exactly, at nearly the int16 path's accuracy.
 
 int8_gemv.c (compiled here, -march=native; needs AVX-512 VNNI) multiplies Q4_K and Q6_K with x as
 int8 per 32 values, reading W as GGUF rows or interleaved (16 rows' words side by side per
@@ -63,13 +65,31 @@ def int8_activations(x: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def split_activations(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x as 15-bit integers per 32 values (scale amax / 16383), each held as 128 hi + lo (hi
+    int8, lo 0..127): two int8 dots give the 15-bit dot exactly."""
+    blocks = x.reshape(-1, 32).double()
+    dx = (blocks.abs().amax(1) / 16383).clamp_min(1e-30)
+    q = torch.round(blocks / dx[:, None]).clamp(-16383, 16383).to(torch.int32)
+    return {
+        "xq": torch.div(q, 128, rounding_mode="floor").to(torch.int8).reshape(-1).contiguous(),
+        "xlo": torch.remainder(q, 128).to(torch.int8).reshape(-1).contiguous(),
+        "dx": dx.float().contiguous(),
+        "sx": (dx * q.sum(1)).float().contiguous(),
+        "q": q.reshape(-1),
+    }
+
+
 def call(lib: ctypes.CDLL, qtype: str, out: torch.Tensor, a: dict, w: torch.Tensor, inter: int):
     p = ctypes.c_void_p
-    fourth = a["sx"] if qtype == "q4_k" else a["bsum16"]
-    fn = lib.q4k_gemv_int8 if qtype == "q4_k" else lib.q6k_gemv_int8
     n, k = out.numel(), a["xq"].numel()
-    fn(p(out.data_ptr()), p(a["xq"].data_ptr()), p(a["dx"].data_ptr()), p(fourth.data_ptr()),
-       p(w.data_ptr()), n, k, inter)  # fmt: skip
+    if qtype == "q4_k":
+        lo = p(a["xlo"].data_ptr()) if "xlo" in a else None
+        lib.q4k_gemv_int8(p(out.data_ptr()), p(a["xq"].data_ptr()), lo, p(a["dx"].data_ptr()),
+                          p(a["sx"].data_ptr()), p(w.data_ptr()), n, k, inter)  # fmt: skip
+        return
+    lib.q6k_gemv_int8(p(out.data_ptr()), p(a["xq"].data_ptr()), p(a["dx"].data_ptr()),
+                      p(a["bsum16"].data_ptr()), p(w.data_ptr()), n, k, inter)  # fmt: skip
 
 
 def measure(lib: ctypes.CDLL, qtype: str, n: int, k: int, copies: int, rounds: int, threads: int):
@@ -86,15 +106,26 @@ def measure(lib: ctypes.CDLL, qtype: str, n: int, k: int, copies: int, rounds: i
     for layout, data in (("rows", rows[0]), ("interleaved", inter[0])):
         call(lib, qtype, out8, a, data, layout == "interleaved")
         assert (out8.double() - of_int8).abs().max() <= 1e-4 * of_int8.abs().max(), layout
+    errors["int8"] = ((out8.double() - exact).norm() / exact.norm()).item()
+    if qtype == "q4_k":
+        s = split_activations(x[0])
+        x15 = (s["q"].double().reshape(-1, 32) * s["dx"].double()[:, None]).reshape(-1)
+        of_15 = kernels.dequantize(ws[0]).double() @ x15
+        call(lib, qtype, out8, s, inter[0], 1)
+        assert (out8.double() - of_15).abs().max() <= 1e-4 * of_15.abs().max()
+        errors["15-bit as two int8"] = ((out8.double() - exact).norm() / exact.norm()).item()
     kernels.quantized_linear(x, ws[0], out)
     errors["int16"] = ((out[0].double() - exact).norm() / exact.norm()).item()
-    errors["int8"] = ((out8.double() - exact).norm() / exact.norm()).item()
     clock = time.process_time if threads == 1 else time.perf_counter
     ways = {
         "int16, rows (the module)": lambda: [kernels.quantized_linear(x, w, out) for w in ws],
         "int8, rows": lambda: [call(lib, qtype, out8, a, d, 0) for d in rows],
         "int8, interleaved": lambda: [call(lib, qtype, out8, a, d, 1) for d in inter],
     }
+    if qtype == "q4_k":
+        ways["15-bit as two int8, interleaved"] = lambda: [
+            call(lib, qtype, out8, s, d, 1) for d in inter
+        ]
     total = sum(d.numel() for d in rows)
     best: dict[str, float] = {}
     for _ in range(rounds):  # the ways take turns
