@@ -148,7 +148,9 @@ def write_gpt_oss_chat_checkpoint(path: Path, chat_template: str, seed: int = 0)
     return _write_chat_checkpoint(
         path, "gpt_oss", harmony_tokenizer(), chat_template, "<|endoftext|>", "<|return|>", seed,
         head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
-        sliding_window=8,
+        sliding_window=8, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 512},
     )  # fmt: skip
 
 
