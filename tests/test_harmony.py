@@ -30,7 +30,7 @@ FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris."
 PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Let me look.<|end|>"
 CALL_FIRST = ("<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
               '{"zone": "CET"}')  # fmt: skip
-BROWSE = "<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{\"q\": \"x\"}"
+BROWSE = '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"q": "x"}'
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip

@@ -1,9 +1,9 @@
 """Reasoning: a reasoning model's thinking (`<think>…</think>`: Qwen3, DeepSeek-R1's distills,
 SmolLM3; gpt-oss's harmony analysis channel) told apart from its answer, which is what the
 client gets as `content` and what tool calls are read from. The parser is on where the chat
-template writes both tags (or harmony's), unless --reasoning-parser says otherwise; a request's `reasoning_effort` and
-`chat_template_kwargs.enable_thinking` switch the thinking off where the template has the
-switch. Owns nothing.
+template writes both tags (or harmony's), unless --reasoning-parser says otherwise; a
+request's `reasoning_effort` and `chat_template_kwargs.enable_thinking` switch the thinking off
+where the template has the switch. Owns nothing.
 
 The thinking starts either in the output (Qwen3 writes `<think>` first) or in the prompt
 (DeepSeek-R1's templates end it with `<think>`; a continued assistant message may hold an open
