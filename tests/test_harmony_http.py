@@ -4,7 +4,7 @@ on by default), taught (`memorize`) to think on the analysis channel, then to ca
 commentary channel, or to answer on the final channel. The live path makes the tokens: the
 analysis comes back as reasoning_content (chat), a reasoning item (Responses) and a thinking
 block (Messages); the call as tool_calls, the generation stopped at <|call|>, which is not the
-checkpoint's EOS."""
+checkpoint's EOS; a thinking budget forces the final channel."""
 
 import json
 from pathlib import Path
@@ -99,3 +99,13 @@ async def test_the_responses_and_messages_apis_get_the_reasoning(server):
         {"type": "thinking", "thinking": CITY_THOUGHT, "signature": ""},
         {"type": "text", "text": ANSWER},
     ]
+
+
+async def test_a_thinking_budget_forces_the_final_channel(server):
+    """Once the analysis has taken its budget, the end of it and the final channel's header are
+    forced: the reasoning is cut short and the rest is the answer."""
+    choice = await _unary(server, {**CAPITAL, "thinking_token_budget": 1, "max_tokens": 40})
+    message = choice["message"]
+    assert len(message["reasoning_content"]) < len(CITY_THOUGHT)
+    assert CITY_THOUGHT.startswith(message["reasoning_content"])
+    assert message["content"]

@@ -3,8 +3,8 @@
 with a header (its channel, perhaps a recipient `to=functions.NAME` and a content type) and a
 body. The first message's `<|start|>assistant` is the prompt's. Owns nothing.
 
-Written here rather than taken from `openai-harmony`: its parser needs the o200k_harmony
-encoding file, which it downloads at run time, and reads token ids of that vocabulary only.
+Written here rather than taken from `openai-harmony`: its encoding is built from
+o200k_base.tiktoken, downloaded at first use, and its parser reads token ids of that vocabulary.
 """
 
 from __future__ import annotations
