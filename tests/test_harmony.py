@@ -83,17 +83,26 @@ def test_a_stream_cut_anywhere_adds_up_to_the_unary_answer(tokenizer, text, fini
         assert streamed_calls == calls and finishes == [choice.finish_reason]
 
 
-@pytest.mark.parametrize("text", [ANALYSIS + FINAL, ANALYSIS + PREAMBLE + CALL_FIRST + "<|call|>"])
-def test_every_prefix_only_grows(text):
+TIME_CALL = '<|channel|>commentary to=functions.get_time<|message|>{"zone": "CET"}<|call|>'
+
+
+@pytest.mark.parametrize(
+    "text,content",
+    [(ANALYSIS + FINAL, "It is sunny in Paris."),
+     (ANALYSIS + PREAMBLE + CALL_FIRST + "<|call|>", "Let me look." + TIME_CALL),
+     (f"stray<|start|>assistant{ANALYSIS}{FINAL}", "It is sunny in Paris.")],
+)  # fmt: skip
+def test_every_prefix_only_grows(text, content):
     """Cut at every character (a tag cut in two too): the reasoning and the answer of each
-    prefix begin the next's, and the text's own."""
+    prefix begin the next's, and the text's own; stray text before the first header is
+    neither. A call reaches the tools' parser in one form, whichever the header's order."""
     last = HARMONY.split("", False, False)
     for k in range(1, len(text) + 1):
         split = HARMONY.split(text[:k], False, k == len(text))
         assert split.reasoning.startswith(last.reasoning), text[:k]
         assert split.content.startswith(last.content), text[:k]
         last = split
-    assert last.reasoning == THOUGHT
+    assert (last.reasoning, last.content) == (THOUGHT, content)
 
 
 def test_a_prompt_that_leaves_the_analysis_open():

@@ -37,13 +37,14 @@ def messages(text: str, final: bool) -> list[Message]:
     """The messages of `text` whose header is complete (a body is known to belong to its
     channel once `<|message|>` is written). While the text grows (not `final`), what may still
     become a closing tag is held back, so that each body only grows as the text does. When
-    `final`, an open body is closed, and text outside any message (a model that writes no
-    harmony) is one final message."""
+    `final`, an open body is closed, and a text with no harmony in it at all is one final
+    message (text before or between messages is not the answer's)."""
     found = []
-    for k, part in enumerate(text.split(START)):
+    parts = text.split(START)
+    for part in parts:
         at = part.find(MESSAGE)
         if at < 0:
-            if final and k == 0 and "<|" not in part and part.strip():
+            if final and len(parts) == 1 and "<|" not in part and part.strip():
                 found.append(Message("final", "", part, True))
             continue
         header, body = part[:at], part[at + len(MESSAGE) :]
