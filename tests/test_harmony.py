@@ -175,3 +175,13 @@ def test_the_template_gets_what_it_reads(tokenizer):
     )
     default = chat_inputs(_request(), TEMPLATE)
     assert "Reasoning: medium" in tokenizer.render_chat(default.messages, **default.kwargs)[0]
+
+
+def test_calls_of_offered_functions_only_and_their_arguments_as_written():
+    """A call's arguments are re-written as the other syntaxes give them where they are JSON,
+    passed on as written where not; a call of a function not offered stays content."""
+    text = "Sure." + TIME_CALL + TIME_CALL.replace('{"zone": "CET"}', "zone=CET")
+    assert HARMONY_TOOLS.parse(text, {"get_time"}) == ("Sure.", [
+        {"name": "get_time", "arguments": '{"zone": "CET"}'},
+        {"name": "get_time", "arguments": "zone=CET"}])  # fmt: skip
+    assert HARMONY_TOOLS.parse(text, {"get_weather"}) == (text, [])
