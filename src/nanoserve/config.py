@@ -26,7 +26,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # nanoserve.kernels' BACK
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # How a reasoning model's thinking is told apart from its answer (server/reasoning.py): vLLM's
 # names, deepseek_r1 and qwen3, are the same <think>...</think> parser as think.
-REASONING_PARSERS = ("think", "deepseek_r1", "qwen3", "none")
+REASONING_PARSERS = ("think", "deepseek_r1", "qwen3", "openai_gptoss", "none")
 
 
 @dataclass(frozen=True)
@@ -315,9 +315,11 @@ class EngineConfig:
     )  # fmt: skip
     reasoning_parser: str | None = setting(
         None, "how a reasoning model's thinking is told apart from its answer: think (<think> "
-        "... </think>; vLLM's deepseek_r1 and qwen3 are the same parser), or none (the "
-        "thinking stays in the content)", choices=REASONING_PARSERS,
-        unset="think where the chat template has <think> and </think>, else none",
+        "... </think>; vLLM's deepseek_r1 and qwen3 are the same parser), openai_gptoss "
+        "(gpt-oss's harmony channels: analysis is the thinking, final the answer, commentary "
+        "the tool calls), or none (the thinking stays in the content)", choices=REASONING_PARSERS,
+        unset="openai_gptoss where the chat template writes harmony's <|channel|> and "
+        "<|message|>, think where it has <think> and </think>, else none",
     )  # fmt: skip
     thinking_token_budget: int | None = setting(
         None, "a reasoning model's thinking budget for requests that give none (vLLM's request "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.engine import SamplingParams, ThinkingParams
+from nanoserve.server.harmony import is_harmony
 from nanoserve.server.protocol import ChatCompletionRequest, InvalidRequest, message_dicts
 from nanoserve.server.reasoning import Reasoning, ReasoningSyntax, thinking_switch
 from nanoserve.server.responses import ToolPlan
@@ -33,6 +34,9 @@ class ChatInputs:
 def chat_inputs(req: ChatCompletionRequest, chat_template: str | None) -> ChatInputs:
     syntax, native = syntax_for(chat_template)
     messages = message_dicts(req.messages)
+    if is_harmony(chat_template):  # gpt-oss's template reads an earlier turn's as `thinking`
+        messages = [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m
+                    for m in messages]  # fmt: skip
     offered = req.offered_tools()
     given = req.chat_template_kwargs or {}
     kwargs, thinking = thinking_switch(req.reasoning_effort, given, chat_template)
@@ -121,6 +125,8 @@ def _reasoning(
     end = tokenizer.encode(parser.end, add_special_tokens=False)
     if set(start + end) & tokenizer.all_special_ids:  # the tags must stay in the text
         params.skip_special_tokens = False
+    stops = [i for t in parser.stops if (i := tokenizer.token_id(t)) is not None]
+    params.stop_token_ids += [i for i in stops if i not in params.stop_token_ids]
     # Thinking is on unless the request switched it off, and always where the prompt opened it;
     # the engine follows it for a budget, or to start a constraint after it.
     engine_follows = budget is not None or params.structured_outputs is not None

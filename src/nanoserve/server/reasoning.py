@@ -1,9 +1,9 @@
 """Reasoning: a reasoning model's thinking (`<think>…</think>`: Qwen3, DeepSeek-R1's distills,
-SmolLM3) told apart from its answer, which is what the client gets as `content` and what tool
-calls are read from. The parser is on where the chat template writes both tags, unless
---reasoning-parser says otherwise; a request's `reasoning_effort` and
-`chat_template_kwargs.enable_thinking` switch the thinking off where the template has the
-switch. Owns nothing.
+SmolLM3; gpt-oss's harmony analysis channel) told apart from its answer, which is what the
+client gets as `content` and what tool calls are read from. The parser is on where the chat
+template writes both tags (or harmony's), unless --reasoning-parser says otherwise; a
+request's `reasoning_effort` and `chat_template_kwargs.enable_thinking` switch the thinking off
+where the template has the switch. Owns nothing.
 
 The thinking starts either in the output (Qwen3 writes `<think>` first) or in the prompt
 (DeepSeek-R1's templates end it with `<think>`; a continued assistant message may hold an open
@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nanoserve.server import harmony
 from nanoserve.server.protocol import InvalidRequest
 
 # OpenAI's reasoning_effort values that ask for (next to) no thinking: the template renders with
@@ -38,6 +39,7 @@ class ReasoningSyntax:
     name: str
     start: str
     end: str
+    stops: tuple[str, ...] = ()  # tokens that end the assistant's turn, where the format has them
 
     def split(self, text: str, started: bool, final: bool) -> Split:
         """The thinking and the answer in an output's text (`started`: the prompt left a
@@ -76,16 +78,57 @@ def _partial(text: str, tag: str) -> int:
                 0)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class HarmonySyntax(ReasoningSyntax):
+    """gpt-oss's harmony messages (server/harmony.py): the analysis channel is the thinking,
+    the final channel (and commentary to no one: a preamble) the answer. A call of a client's
+    function (`to=functions.NAME`) is written in the answer as
+    `<|channel|>commentary to=functions.NAME<|message|>ARGUMENTS<|call|>` for the tools' parser
+    (server/tools.py) to read; a call of a built-in tool (browser, python) is thinking.
+    `start` and `end` are what the engine follows of the thinking: a forced end moves on to the
+    final channel."""
+
+    def split(self, text: str, started: bool, final: bool) -> Split:
+        if started:
+            text = self.start + text
+        reasoning: list[str] = []
+        content = ""
+        for m in harmony.messages(text, final):
+            if m.recipient.startswith(harmony.FUNCTIONS):
+                close = harmony.CALL if m.closed else ""
+                content += f"{harmony.CHANNEL}commentary to={m.recipient}{harmony.MESSAGE}"
+                content += m.body + close
+            elif m.channel == "analysis" or m.recipient:
+                reasoning.append(m.body)
+            else:
+                content += ("\n" if content else "") + m.body
+        return Split("\n".join(reasoning), content, started or bool(reasoning))
+
+    def left_open(self, prompt: str, last: str) -> bool:
+        """Whether the rendered chat ends inside an analysis message."""
+        words = last.strip()
+        at = prompt.rfind(words) if words else -1
+        tail = prompt[at + len(words) :] if at >= 0 else prompt
+        return tail.rfind(self.start) > max(tail.rfind(e) for e in harmony.ENDS)
+
+
 THINK = ReasoningSyntax("think", "<think>", "</think>")
-PARSERS = {"think": THINK, "deepseek_r1": THINK, "qwen3": THINK}  # vLLM's names, one parser
+HARMONY = HarmonySyntax(
+    "openai_gptoss", "<|channel|>analysis<|message|>",
+    "<|end|><|start|>assistant<|channel|>final<|message|>", harmony.STOPS,
+)  # fmt: skip
+# vLLM's names: deepseek_r1 and qwen3 are one parser; openai_gptoss is harmony's
+PARSERS = {"think": THINK, "deepseek_r1": THINK, "qwen3": THINK, "openai_gptoss": HARMONY}
 
 
 def parser_for(name: str | None, chat_template: str | None) -> ReasoningSyntax | None:
     """The parser --reasoning-parser names ("none": none), or without one, the chat template's:
-    `think` where it writes both tags."""
+    harmony where it writes harmony's messages (gpt-oss's), `think` where it writes both tags."""
     if name is not None:
         return PARSERS.get(name)
     template = chat_template or ""
+    if harmony.is_harmony(template):
+        return HARMONY
     return THINK if THINK.start in template and THINK.end in template else None
 
 

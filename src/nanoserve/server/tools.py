@@ -1,11 +1,12 @@
 """Tool calls: the functions a chat request offers, put in the prompt, constrained by a grammar
 when a call is required, and read back out of the generated text as OpenAI's `tool_calls`.
 
-Three syntaxes, chosen from the chat template: Hermes's (`<tool_call>{"name": ..., "arguments":
+Four syntaxes, chosen from the chat template: Hermes's (`<tool_call>{"name": ..., "arguments":
 ...}</tool_call>`, which Qwen 2.5 and 3, SmolLM3 and Hermes use), Llama 3's JSON (`{"name":
-..., "parameters": ...}`) and Mistral's (the control token `[TOOL_CALLS]`, then a JSON list of
+..., "parameters": ...}`), Mistral's (the control token `[TOOL_CALLS]`, then a JSON list of
 `{"name": ..., "arguments": ...}`; its template wants call ids of 9 letters and digits, so the
-calls get such ids and a conversation's ids are cut to 9 where it renders them). A template that
+calls get such ids and a conversation's ids are cut to 9 where it renders them) and gpt-oss's
+harmony messages (`HarmonyTools`, vLLM's `openai` tool parser). A template that
 renders no tools (SmolLM2's) gets the Hermes syntax and a system message describing the tools,
 as Hermes models are prompted. Owns nothing.
 """
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.engine import StructuredOutputsParams, closed_schema
+from nanoserve.server import harmony
+from nanoserve.server.protocol import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -193,17 +196,60 @@ def _rebased_part(key: str, value: Any, pointer: str) -> Any:
     return rebased(value, pointer)
 
 
+@dataclass(frozen=True)
+class HarmonyTools(ToolSyntax):
+    """gpt-oss's calls: commentary messages to `functions.NAME`, each body the arguments, which
+    the harmony reasoning parser (server/reasoning.py) writes in the answer as
+    `<|channel|>commentary to=functions.NAME<|message|>ARGUMENTS<|call|>`. The arguments are
+    passed on as the model wrote them where they are not JSON: the header made it a call."""
+
+    def grammar(
+        self, tools: list[dict[str, Any]], parallel: bool, tags: Mapping[str, int] | None = None
+    ) -> StructuredOutputsParams:
+        raise InvalidRequest(
+            'tool_choice: "required" and a named function are not implemented for gpt-oss\'s '
+            'harmony format (its calls follow its analysis); use "auto"', "tool_choice",
+        )  # fmt: skip
+
+    def split(self, text: str, names: set[str]) -> tuple[int | None, list[dict[str, Any]]]:
+        first = None
+        calls: list[dict[str, Any]] = []
+        for match in _HARMONY_CALL.finditer(text):
+            if match.group(1) not in names:
+                continue
+            first = match.start() if first is None else first
+            calls.append({"name": match.group(1), "arguments": _compact(match.group(2))})
+        return first, calls
+
+
+_HARMONY_CALL = re.compile(
+    re.escape(f"{harmony.CHANNEL}commentary to={harmony.FUNCTIONS}") + r"(\S+?)"
+    + re.escape(harmony.MESSAGE) + "(.*?)" + re.escape(harmony.CALL), re.DOTALL,
+)  # fmt: skip
+
+
+def _compact(arguments: str) -> str:
+    """JSON arguments as the other syntaxes give them; other text as it is."""
+    try:
+        return json.dumps(json.loads(arguments), ensure_ascii=False)
+    except json.JSONDecodeError:
+        return arguments
+
+
 HERMES = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
 LLAMA3_JSON = ToolSyntax("llama3_json", "", "", "parameters")
 MISTRAL = ToolSyntax(
     "mistral", "[TOOL_CALLS]", "", "arguments", listed=True, special=True, id_chars=9
 )
+HARMONY_TOOLS = HarmonyTools("openai", harmony.CHANNEL, harmony.CALL, "arguments", special=True)
 
 
 def syntax_for(chat_template: str | None) -> tuple[ToolSyntax, bool]:
     """The model family's call syntax, and whether its template renders the tools itself."""
     template = chat_template or ""
     native = "tools" in template
+    if native and harmony.is_harmony(template):
+        return HARMONY_TOOLS, True
     if native and "[TOOL_CALLS]" in template:
         return MISTRAL, True
     if native and "<tool_call>" not in template and "<|eot_id|>" in template:

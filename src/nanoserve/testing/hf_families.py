@@ -3,8 +3,9 @@ transformers itself (`save_pretrained`), with the demo's byte-level BPE tokenize
 as a float checkpoint (`smollm2_checkpoint`), for llama.cpp's converter and quantizer. Weights are
 redrawn with the demo's gains (biases and norms too, which transformers initializes to 0 and 1)
 so that greedy decoding depends on every tensor. For the family oracle tests. And a Qwen3 chat
-model (Qwen's chat tokens, a chat template of the caller's) that `memorize` can train to write
-given answers: a random model does not write `<think>` or `<tool_call>` on its own.
+model and a gpt-oss one (Qwen's chat tokens or harmony's, a chat template of the caller's) that
+`memorize` can train to write given answers: a random model does not write `<think>`,
+`<tool_call>` or harmony's channels on its own.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Tokens of their own in Qwen3's vocabulary, and not special: they stay in the decoded text.
 QWEN_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
              "</tool_response>"]  # fmt: skip
+HARMONY_SPECIAL = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                   "<|constrain|>", "<|return|>", "<|call|>"]  # fmt: skip
 
 
 def write_family_checkpoint(path: Path, family: str, seed: int = 0, **config: Any) -> Path:
@@ -125,21 +128,50 @@ def qwen3_tokenizer() -> Tokenizer:
 def write_qwen3_chat_checkpoint(path: Path, chat_template: str, seed: int = 0) -> Path:
     """A random Qwen3 model with `qwen3_tokenizer()` and `chat_template`, its turns ending with
     <|im_end|> (its EOS), as Qwen3's; returns `path`."""
-    tok = qwen3_tokenizer()
-    ids = {name: tok.token_to_id(name) for name in QWEN_SPECIAL}
+    return _write_chat_checkpoint(
+        path, "qwen3", qwen3_tokenizer(), chat_template, "<|endoftext|>", "<|im_end|>", seed,
+        head_dim=32,
+    )  # fmt: skip
+
+
+def harmony_tokenizer() -> Tokenizer:
+    """The demo's byte-level BPE with harmony's control tokens (HARMONY_SPECIAL), as gpt-oss's."""
+    tok = build_tokenizer()
+    tok.add_special_tokens(HARMONY_SPECIAL)
+    return tok
+
+
+def write_gpt_oss_chat_checkpoint(path: Path, chat_template: str, seed: int = 0) -> Path:
+    """A random gpt-oss model with `harmony_tokenizer()` and `chat_template`; its EOS is
+    <|return|> alone (gpt-oss's generation config adds <|call|>: here the chat route's harmony
+    parser must stop there itself); returns `path`."""
+    return _write_chat_checkpoint(
+        path, "gpt_oss", harmony_tokenizer(), chat_template, "<|endoftext|>", "<|return|>", seed,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+        sliding_window=8, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 512},
+    )  # fmt: skip
+
+
+def _write_chat_checkpoint(
+    path: Path, family: str, tok: Tokenizer, chat_template: str, bos: str, eos: str, seed: int,
+    **config: Any,
+) -> Path:  # fmt: skip
     write_family_checkpoint(
-        path, "qwen3", seed, head_dim=32, vocab_size=tok.get_vocab_size(),
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        path, family, seed, vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id(bos),
+        eos_token_id=tok.token_to_id(eos), **config,
     )  # fmt: skip
     (path / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
-    config = {
+    tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
+        "eos_token": eos,
+        "pad_token": bos,
         "clean_up_tokenization_spaces": False,
         "chat_template": chat_template,
     }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    text = json.dumps(tokenizer_config, indent=2)
+    (path / "tokenizer_config.json").write_text(text, encoding="utf-8")
     return path
 
 
