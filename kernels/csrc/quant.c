@@ -116,20 +116,27 @@ int nanoserve_quant_init(void) {
 /* ---------------------------------------------------------------- the activations */
 
 /* One allocation (64-byte aligned parts) for M rows of K values, and their split into hi and lo
- * bytes (tiles) if `split` (M rounded up to NS_AMX_ROWS rows, the extra ones zeros); returns it,
- * or NULL. */
-void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split) {
+ * bytes (tiles) if `split` (M rounded up to NS_AMX_ROWS rows, the extra ones zeros), or in order
+ * (hi, lo) if `bytes`; returns it, or NULL. */
+void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split, int bytes) {
     xq->blocks = K / QK;
     const Py_ssize_t rows = split ? (M + NS_AMX_ROWS - 1) / NS_AMX_ROWS * NS_AMX_ROWS : M;
     const size_t q_bytes = ((size_t)(M * K) * sizeof(int16_t) + 63) & ~(size_t)63;
     const size_t scale_bytes = ((size_t)(rows * xq->blocks) * sizeof(float) + 63) & ~(size_t)63;
     const size_t tile_bytes = split ? (size_t)(rows * K) * 2 : 0;
-    char *base = aligned_alloc(64, q_bytes + 2 * scale_bytes + tile_bytes + 64);
+    const size_t byte_bytes = bytes ? ((size_t)(M * K) + 63) & ~(size_t)63 : 0;
+    const size_t sum_bytes = bytes ? (size_t)(M * K / 16) * sizeof(int32_t) : 0;
+    char *base = aligned_alloc(
+        64, q_bytes + 2 * scale_bytes + tile_bytes + 2 * byte_bytes + sum_bytes + 64);
     if (!base) return NULL;
     xq->q = (int16_t *)base;
     xq->dx = (float *)(base + q_bytes);
     xq->sx = (float *)(base + q_bytes + scale_bytes);
     xq->tiles = NULL;
+    xq->hi = bytes ? (int8_t *)(base + q_bytes + 2 * scale_bytes + tile_bytes) : NULL;
+    xq->lo = bytes ? (uint8_t *)(base + q_bytes + 2 * scale_bytes + tile_bytes + byte_bytes) : NULL;
+    xq->sum16 = bytes ? (int32_t *)(base + q_bytes + 2 * scale_bytes + tile_bytes + 2 * byte_bytes)
+                      : NULL;
     if (split) {
         xq->tiles = (int8_t *)(base + q_bytes + 2 * scale_bytes);
         const size_t pad = (size_t)(rows - M) * (size_t)xq->blocks;
@@ -161,7 +168,8 @@ static float quantize_block(int16_t *v, const float *x) {
 }
 
 /* Row m of x, quantized: each block's values in `order` (value order[j] at j), or in order when
- * it is NULL, its dx and sx, and its split into hi and lo where xq has them. */
+ * it is NULL, its dx and sx, and its split into hi and lo where xq has them (tiles, or hi and
+ * lo in order). */
 void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py_ssize_t m) {
     for (Py_ssize_t b = 0; b < xq->blocks; b++) {
         int16_t v[QK];
@@ -180,6 +188,15 @@ void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py
         for (int j = 0; hi && j < QK; j++) {
             hi[j] = (int8_t)(q[j] >> 8);
             hi[NS_AMX_ROWS * QK + j] = (int8_t)(q[j] & 255); /* lo, as the same bits */
+        }
+        for (int j = 0; xq->hi && j < QK; j++) {
+            xq->hi[(m * xq->blocks + b) * QK + j] = (int8_t)(v[j] >> 8);
+            xq->lo[(m * xq->blocks + b) * QK + j] = (uint8_t)(v[j] & 255);
+        }
+        for (int h = 0; xq->hi && h < 2; h++) {
+            int32_t s16 = 0;
+            for (int j = 16 * h; j < 16 * h + 16; j++) s16 += v[j];
+            xq->sum16[(m * xq->blocks + b) * 2 + h] = s16;
         }
     }
 }
@@ -211,7 +228,8 @@ int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const voi
     ns_xq xq = {0};
     void *base = NULL; /* the quantized activations, which a float_x format does without */
     const int split = path == NS_AMX && M >= NS_AMX_ROWS;
-    if (!f->float_x && !(base = ns_xq_alloc(&xq, M, K, split))) return -1;
+    const int bytes = path >= NS_AVX512_VNNI && M <= NS_BYTE_ROWS && f->byte_gemv;
+    if (!f->float_x && !(base = ns_xq_alloc(&xq, M, K, split, bytes))) return -1;
     const ns_qmm a = {out, (const char *)w, &xq, M, N, K, ldo,
                       (size_t)(K / ns_block_values(f)) * f->block_bytes, x};
     const ns_matmul_fn kernel = ns_path_kernel(f, path);

@@ -58,6 +58,12 @@ typedef struct {
      * and per block, the tile's rows' 32 hi bytes one after another, then their lo bytes. The
      * rows from M up to a multiple of NS_AMX_ROWS are zeros, as are their dx and sx. */
     int8_t *tiles;
+    /* For the byte GEMV (quant_bytes.h), else NULL: each q's hi and lo bytes as in `tiles`, a
+     * row's blocks one after another with each block's values in order (not `pairs`), and the
+     * sum of each 16 q (Q6_K's zero point times it is the zero point's share of a half's dot). */
+    int8_t *hi;
+    uint8_t *lo;
+    int32_t *sum16;
 } ns_xq;
 
 /* The AMX path's GEMM takes M >= NS_AMX_ROWS rows in tiles of NS_AMX_ROWS; fewer, the VNNI GEMV
@@ -113,18 +119,23 @@ typedef struct {
     /* F16 and BF16 (quant_f16.c): "blocks" of 32 plain 16-bit floats whose kernels widen them and
      * multiply the float32 activations as they are (xf): no int16 rounding, no pairs. */
     int float_x;
+    /* The VNNI paths' GEMV (M <= NS_BYTE_ROWS) unpacks W to bytes (quant_bytes.h), taking the
+     * activations as ns_xq's hi and lo. */
+    int byte_gemv;
 } ns_block_format;
+
+enum { NS_BYTE_ROWS = 8 }; /* rows of x the byte GEMV takes: AVX-512's GEMV_ROWS */
 
 /* quant.c: the format with GGML type id `code`, or NULL. */
 const ns_block_format *ns_block_format_of(int code);
 
 /* quant.c's driver, shared with the experts' matmul (quant_experts.c): the path in use now, its
  * kernel of format f, the activations' buffer for M rows of K values (split into AMX tiles if
- * `split`; returns the allocation to free, or NULL), and row m of x quantized into it in `order`
+ * `split`, into hi and lo bytes if `bytes`; returns the allocation to free, or NULL), and row m of x quantized into it in `order`
  * (the format's pairs, NULL on the portable path). */
 int ns_quant_path(void);
 ns_matmul_fn ns_path_kernel(const ns_block_format *f, int path);
-void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split);
+void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split, int bytes);
 void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py_ssize_t m);
 
 /* Values per block of f along K: a row of K values (a multiple of it) takes K / it blocks. */

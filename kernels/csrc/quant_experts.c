@@ -58,8 +58,8 @@ static int quant_experts(float *const outs[], const char *const ws[], int nw, co
     float *xf = NULL;
     if (f->float_x) {
         if (rows && !(xf = malloc((size_t)(P * K) * sizeof(float)))) return -1;
-    } else if (!(base_q = ns_xq_alloc(&xq, P, K, 0)) ||
-               (rows && !(base_t = ns_xq_alloc(&xt, T, K, 0)))) {
+    } else if (!(base_q = ns_xq_alloc(&xq, P, K, 0, 0)) ||
+               (rows && !(base_t = ns_xq_alloc(&xt, T, K, 0, 0)))) {
         free(base_q);
         return -1;
     }

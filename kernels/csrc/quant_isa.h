@@ -90,6 +90,26 @@ NS_INLINE ivec dot_pairs(ivec acc, ivec w, ivec x) {
 #endif
 }
 
+#ifdef NS_VNNI
+/* acc plus the dots of 4 bytes of W (lanes, unsigned) with 4 activations at x (signed,
+ * broadcast). */
+NS_INLINE ivec dot_w_x(ivec acc, ivec w, const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
+}
+
+/* acc plus the dots of 4 activations at x (unsigned, broadcast) with 4 bytes of W (lanes,
+ * signed). */
+NS_INLINE ivec dot_x_w(ivec acc, ivec w, const uint8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(v), w);
+}
+
+NS_INLINE ivec iv_sub32(ivec a, ivec b) { return _mm512_sub_epi32(a, b); }
+#endif
+
 /* STRIP_W values (f16, or bf16) at p as float32. */
 NS_INLINE fvec widen(const char *p, const int bf16) {
     const ISA(__m256i, __m128i) h = ISA(_mm256_loadu_si256, _mm_loadu_si128)((const void *)p);

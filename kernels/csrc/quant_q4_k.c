@@ -53,4 +53,5 @@ const ns_block_format Q4_K_FORMAT = {
     .dequantize = q4_k_dequantize,
     .pairs = NS_BYTE_PAIRS,
     .portable = q4_k_matmul_portable,
+    .byte_gemv = 1,
 };

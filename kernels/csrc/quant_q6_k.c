@@ -68,4 +68,5 @@ const ns_block_format Q6_K_FORMAT = {
     .dequantize = q6_k_dequantize,
     .pairs = NS_BYTE_PAIRS,
     .portable = q6_k_matmul_portable,
+    .byte_gemv = 1,
 };

@@ -56,7 +56,24 @@ NS_INLINE void q4_1_unpack(strip *s, const char *w, size_t stride) {
 }
 
 static const strip_format Q4_0_STRIPS = {q4_0_unpack, sizeof(block_q4_0), 0};
-static const strip_format Q4_1_STRIPS = {q4_1_unpack, sizeof(block_q4_1), 1};
+/* As q4_1_unpack, into bytes (the byte GEMV): the low nibbles are values 0..15, the high
+ * 16..31. */
+NS_INLINE void q4_1_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+    strip_heads(&s->d, &s->m, w, stride, 1);
+    s->d2 = fv_zero();
+    ivec g[4];
+    transpose_rows(g, (const char *)((const block_q4_1 *)w)->qs, stride);
+    const ivec nibbles = iv_set8(15);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        s->v[i] = iv_and(g[i], nibbles);
+        s->v[4 + i] = iv_and(iv_shr32(g[i], 4), nibbles);
+    }
+}
+
+static const strip_format Q4_1_STRIPS = {
+    .unpack = q4_1_unpack, .block_bytes = sizeof(block_q4_1), .has_min = 1,
+    .unpack_bytes = q4_1_unpack_bytes};
 
 static NS_KERNEL void q4_0_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q4_0_STRIPS);
@@ -162,6 +179,32 @@ NS_INLINE void q4_k_unpack(strip *s, const char *w, size_t stride) {
     }
 }
 
+/* As q4_k_unpack, into bytes (the byte GEMV): each sub-block's nibbles as they are. */
+NS_INLINE void q4_k_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+    strip heads[KQ_SUBS];
+    kquant_heads(heads, w, stride);
+    const ivec nibbles = iv_set8(15);
+#pragma GCC unroll 4
+    for (int c = 0; c < KQ_SUBS / 2; c++) {
+        const char *q = (const char *)((const block_q4_K *)w)->qs + 32 * c;
+        ivec g[4], g1[4];
+        transpose_rows(g, q, stride);
+        transpose_rows(g1, q + 16, stride);
+#pragma GCC unroll 2
+        for (int shift = 0; shift <= 4; shift += 4) {
+            strip8 *t = s + 2 * c + shift / 4;
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                t->v[i] = iv_and(iv_shr32(g[i], shift), nibbles);
+                t->v[4 + i] = iv_and(iv_shr32(g1[i], shift), nibbles);
+            }
+            t->d = heads[2 * c + shift / 4].d;
+            t->m = heads[2 * c + shift / 4].m;
+            t->d2 = fv_zero();
+        }
+    }
+}
+
 /* As q4_k_unpack, each value's bit of qh at bit 4. */
 NS_INLINE void q5_k_unpack(strip *s, const char *w, size_t stride) {
     const block_q5_K *b = (const block_q5_K *)w;
@@ -191,8 +234,11 @@ NS_INLINE void q5_k_unpack(strip *s, const char *w, size_t stride) {
     }
 }
 
-static const strip_format Q4_K_STRIPS = {
-    .block_bytes = sizeof(block_q4_K), .has_min = 1, .subs = KQ_SUBS, .unpack_super = q4_k_unpack};
+static const strip_format Q4_K_STRIPS = {.block_bytes = sizeof(block_q4_K),
+                                         .has_min = 1,
+                                         .subs = KQ_SUBS,
+                                         .unpack_super = q4_k_unpack,
+                                         .unpack_bytes = q4_k_unpack_bytes};
 static const strip_format Q5_K_STRIPS = {
     .block_bytes = sizeof(block_q5_K), .has_min = 1, .subs = KQ_SUBS, .unpack_super = q5_k_unpack};
 
@@ -254,8 +300,51 @@ NS_INLINE void q6_k_unpack(strip *s, const char *w, size_t stride) {
     }
 }
 
-static const strip_format Q6_K_STRIPS = {
-    .block_bytes = sizeof(block_q6_K), .subs = KQ_SUBS, .unpack_super = q6_k_unpack, .halves = 1};
+/* As q6_k_unpack, into bytes (the byte GEMV): the values 0..63, their zero point left to
+ * byte_step. */
+NS_INLINE void q6_k_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+    const block_q6_K *b = (const block_q6_K *)w;
+    const fvec d = half_floats(row_words(w + offsetof(block_q6_K, d) - 2, stride), 1);
+    ivec sc[4];
+    transpose_rows(sc, (const char *)b->scales, stride);
+#pragma GCC unroll 8
+    for (int t = 0; t < KQ_SUBS; t++) {
+        s[t].d = fv_mul(d, iv_to_fv(q6_k_scale(sc[t / 2], t, 0)));
+        s[t].d2 = fv_mul(d, iv_to_fv(q6_k_scale(sc[t / 2], t, 1)));
+        s[t].m = fv_zero();
+    }
+    const ivec nibbles = iv_set8(15), two = iv_set8(3 << 4);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; half++) {
+        ivec h[4], h1[4];
+        transpose_rows(h, (const char *)b->qh + 32 * half, stride);
+        transpose_rows(h1, (const char *)b->qh + 32 * half + 16, stride);
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++) {
+            ivec g[4], g1[4];
+            transpose_rows(g, (const char *)b->ql + 64 * half + 32 * k, stride);
+            transpose_rows(g1, (const char *)b->ql + 64 * half + 32 * k + 16, stride);
+#pragma GCC unroll 2
+            for (int u = k; u < 4; u += 2) {
+                const int shift = 4 * (u >> 1);
+                ivec *v = s[4 * half + u].v;
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    v[i] = iv_or(iv_and(iv_shr32(g[i], shift), nibbles),
+                                 iv_and(iv_shift32(h[i], 4 - 2 * u), two));
+                    v[4 + i] = iv_or(iv_and(iv_shr32(g1[i], shift), nibbles),
+                                     iv_and(iv_shift32(h1[i], 4 - 2 * u), two));
+                }
+            }
+        }
+    }
+}
+
+static const strip_format Q6_K_STRIPS = {.block_bytes = sizeof(block_q6_K),
+                                         .subs = KQ_SUBS,
+                                         .unpack_super = q6_k_unpack,
+                                         .halves = 1,
+                                         .unpack_bytes = q6_k_unpack_bytes};
 
 static NS_KERNEL void q6_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q6_K_STRIPS);

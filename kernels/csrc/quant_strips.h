@@ -33,6 +33,14 @@ typedef struct {
     fvec d, m, d2; /* d2: Q6_K's scale of values 16..31 (halves) */
 } strip;
 
+/* One block of a strip as bytes (the byte GEMV, quant_bytes.h): v[i] lane c holds column c's
+ * values 4i .. 4i + 3 of the block, unsigned (Q6_K's without its zero point); d, m, d2 as a
+ * strip's. */
+typedef struct {
+    ivec v[8];
+    fvec d, m, d2;
+} strip8;
+
 /* What the driver needs of a format, passed as a constant so that each format's kernel is compiled
  * with its own unpacking inlined: unpack(s, w, stride) unpacks the blocks at w of STRIP_W rows of
  * W (row c's at w + c stride); has_min: Q4_1's m dx sum(q) is added. */
@@ -47,6 +55,9 @@ typedef struct {
     int subs;
     void (*unpack_super)(strip *s, const char *w, size_t stride);
     int halves;
+    /* Where the format has a byte GEMV (ns_block_format's byte_gemv): as unpack_super, into
+     * bytes (strip8) */
+    void (*unpack_bytes)(strip8 *s, const char *w, size_t stride);
 } strip_format;
 
 /* v shifted left by s bits (right by -s), s a constant after unrolling. */
@@ -103,6 +114,35 @@ NS_INLINE void unpack_block(strip *s, const char *w, size_t stride, Py_ssize_t b
     _Alignas(64) char rows[STRIP_W][NS_MAX_BLOCK_BYTES] = {{0}};
     for (int c = 0; c < n; c++) memcpy(rows[c], w + (size_t)c * stride, f.block_bytes);
     unpack(s, rows[0], sizeof rows[0]);
+}
+
+/* Streaming W (no panel): the rows of the next strips, a share of their lines a block, on their
+ * way in while this one computes (none after W's last row): into L1 where they are a small part
+ * of it (NS_PREFETCH_L1_BYTES), else into L2, since a strip of long rows (Llama-3.2-1B's 8192 x
+ * 2048 in Q6_K: 27 KiB) would push out the one being read. */
+typedef struct {
+    const char *next;
+    Py_ssize_t lines;
+    int into_l1;
+} ahead;
+
+/* The rows after the nr strips from column c0. */
+NS_INLINE ahead ahead_of(const ns_qmm *a, Py_ssize_t c0, int nr) {
+    const Py_ssize_t after = c0 + STRIP_W * nr;
+    const Py_ssize_t rows = a->N - after < STRIP_W * nr ? a->N - after : STRIP_W * nr;
+    const Py_ssize_t lines = rows > 0 ? (Py_ssize_t)((size_t)rows * a->row_bytes / 64) : 0;
+    return (ahead){a->w + (size_t)(rows > 0 ? after : 0) * a->row_bytes, lines,
+                   lines * 64 <= NS_PREFETCH_L1_BYTES};
+}
+
+/* Block b's share (of nb) of the lines ahead. */
+NS_INLINE void prefetch_share(ahead p, Py_ssize_t b, Py_ssize_t nb) {
+    for (Py_ssize_t l = b * p.lines / nb; l < (b + 1) * p.lines / nb; l++) {
+        if (p.into_l1)
+            _mm_prefetch(p.next + 64 * l, _MM_HINT_T0);
+        else
+            _mm_prefetch(p.next + 64 * l, _MM_HINT_T1);
+    }
 }
 
 /* acc[r][c] += dot[r][c] scaled: by the strips' d (or d2, Q6_K's second half) times dx, plus
@@ -173,22 +213,9 @@ NS_INLINE void strip_tile(const ns_qmm *a, const strip *panel, Py_ssize_t r0, co
     strip own[TILE_NR], super[TILE_NR][QK_K / QK]; /* super: a K-quant's super-blocks */
     const strip *s[TILE_NR];
     for (int c = 0; c < TILE_NR; c++) s[c] = own + c;
-    /* Streaming W (no panel): the rows of the next strips, a share of their lines a block, on
-     * their way in while this one computes (none after W's last row): into L1 where they are a
-     * small part of it (NS_PREFETCH_L1_BYTES), else into L2, since a strip of long rows
-     * (Llama-3.2-1B's 8192 x 2048 in Q6_K: 27 KiB) would push out the one being read. */
-    const Py_ssize_t after = c0 + STRIP_W * nr;
-    const Py_ssize_t ahead = a->N - after < STRIP_W * nr ? a->N - after : STRIP_W * nr;
-    const char *next = a->w + (size_t)(ahead > 0 ? after : 0) * a->row_bytes;
-    const Py_ssize_t lines = ahead > 0 ? (Py_ssize_t)((size_t)ahead * a->row_bytes / 64) : 0;
-    const int into_l1 = lines * 64 <= NS_PREFETCH_L1_BYTES;
+    const ahead next = ahead_of(a, c0, nr);
     for (Py_ssize_t b = 0; b < nb; b++) {
-        for (Py_ssize_t l = b * lines / nb; !panel && l < (b + 1) * lines / nb; l++) {
-            if (into_l1)
-                _mm_prefetch(next + 64 * l, _MM_HINT_T0);
-            else
-                _mm_prefetch(next + 64 * l, _MM_HINT_T1);
-        }
+        if (!panel) prefetch_share(next, b, nb);
         for (int c = 0; c < nr; c++) {
             if (panel) {
                 s[c] = panel + c * nb + b;
@@ -303,12 +330,23 @@ NS_INLINE void strip_gemm(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const s
 #ifdef NS_AMX
 #include "quant_amx.h"
 #endif
+#ifdef NS_VNNI
+#include "quant_bytes.h"
+#endif
 
-/* out[:, n0:n1] of a format's matmul: what its kernels call. On the AMX path, the AMX GEMM where
+/* out[:, n0:n1] of a format's matmul: what its kernels call. On the VNNI paths, the byte GEMV
+ * where quant.c split the activations for it (M <= NS_BYTE_ROWS and a format that has one). On the
+ * AMX path, the AMX GEMM where
  * quant.c split the activations for it (M >= NS_AMX_ROWS), but for Q6_K: its 16-value halves
  * give AMX twice the dots to store per block, and a first version that took them ran at 0.7-0.9x
  * the VNNI GEMM at 512 rows (the other formats: 1.16-1.41x, bench/experiments/amx_gemm.py). */
 NS_INLINE void strip_matmul(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const strip_format f) {
+#ifdef NS_VNNI
+    if (a->x->hi && f.unpack_bytes) {
+        byte_gemv(a, n0, n1, f);
+        return;
+    }
+#endif
 #ifdef NS_AMX
     if (a->x->tiles && !f.halves) {
         amx_gemm(a, n0, n1, f);

@@ -1,0 +1,98 @@
+/* The decode GEMV on the VNNI paths for the formats that unpack W to bytes (strip_format's
+ * unpack_bytes): each int16 activation q as 256 hi + lo (ns_xq's hi, signed, and lo, unsigned),
+ * so that two vpdpbusd per 4 values (W's unsigned bytes times hi, then lo times W's bytes, W's
+ * values being at most 127; dot_w_x, dot_x_w) give the block's int32 dot exactly: the same integer that
+ * vpdpwssd gives on the int16 pairs of strip_tile, scaled by the same operations, so the results
+ * are bitwise the GEMM's and the portable path's. It saves widening W to int16 pairs, which
+ * bounded the int16 GEMV on an AMD EPYC (bench/experiments/int8_gemv.py). Included by
+ * quant_strips.h where NS_VNNI is defined.
+ */
+#ifndef NANOSERVE_QUANT_BYTES_H
+#define NANOSERVE_QUANT_BYTES_H
+
+/* The exact int32 dot of values v[i0 .. i0 + n) of a block with row `at`'s activations there:
+ * 256 times W's with hi, plus lo's with W. */
+NS_INLINE ivec byte_dot(const ivec *v, const ns_xq *xq, Py_ssize_t at, const int i0, const int n) {
+    const int8_t *hi = xq->hi + at * QK;
+    const uint8_t *lo = xq->lo + at * QK;
+    ivec dot = iv_zero();
+#pragma GCC unroll 8
+    for (int i = i0; i < i0 + n; i++) dot = dot_w_x(dot, v[i], hi + 4 * i);
+    dot = iv_shl32(dot, 8);
+#pragma GCC unroll 8
+    for (int i = i0; i < i0 + n; i++) dot = dot_x_w(dot, v[i], lo + 4 * i);
+    return dot;
+}
+
+/* acc[r] over block b of rows r0 .. r0 + mr of x against the strip's block s, scaled as
+ * scale_dots scales; halves (Q6_K): each half's dot less its zero point 32 times the half's sum
+ * of q, scaled by d, then d2. */
+NS_INLINE void byte_step(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq, Py_ssize_t r0,
+                         const int mr, Py_ssize_t b, const strip_format f) {
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        const Py_ssize_t at = (r0 + r) * xq->blocks + b;
+        const fvec dx = fv_set(xq->dx[at]);
+        if (f.halves) {
+            const ivec a = iv_sub32(byte_dot(s->v, xq, at, 0, 4), iv_set32(32 * xq->sum16[2 * at]));
+            const ivec c = iv_sub32(byte_dot(s->v, xq, at, 4, 4), iv_set32(32 * xq->sum16[2 * at + 1]));
+            acc[r] = fv_fma(iv_to_fv(a), fv_mul(s->d, dx), acc[r]);
+            acc[r] = fv_fma(iv_to_fv(c), fv_mul(s->d2, dx), acc[r]);
+            continue;
+        }
+        acc[r] = fv_fma(iv_to_fv(byte_dot(s->v, xq, at, 0, 8)), fv_mul(s->d, dx), acc[r]);
+        if (f.has_min) acc[r] = fv_fma(s->m, fv_set(xq->sx[at]), acc[r]);
+    }
+}
+
+/* The blocks at w of the strip's rows (the last strip's first n) as bytes into s, as
+ * unpack_block does for pairs. */
+NS_INLINE void unpack_bytes_block(strip8 *s, const char *w, size_t stride, Py_ssize_t b, int n,
+                                  const strip_format f) {
+    w += (size_t)(f.subs <= 1 ? b : b / f.subs) * f.block_bytes;
+    if (n == STRIP_W) {
+        f.unpack_bytes(s, w, stride);
+        return;
+    }
+    _Alignas(64) char rows[STRIP_W][NS_MAX_BLOCK_BYTES] = {{0}};
+    for (int c = 0; c < n; c++) memcpy(rows[c], w + (size_t)c * stride, f.block_bytes);
+    f.unpack_bytes(s, rows[0], sizeof rows[0]);
+}
+
+/* Rows r0 .. r0 + mr of out by the strip from column c0 (`last` columns wide), over all of K. */
+NS_INLINE void byte_tile(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_t c0, int last,
+                         const strip_format f) {
+    const Py_ssize_t nb = a->K / QK;
+    const int subs = f.subs <= 1 ? 1 : f.subs;
+    fvec acc[GEMV_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) acc[r] = fv_zero();
+    strip8 s[QK_K / QK];
+    const ahead next = ahead_of(a, c0, 1);
+    const char *w = a->w + (size_t)c0 * a->row_bytes;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        prefetch_share(next, b, nb);
+        if (b % subs == 0) unpack_bytes_block(s, w, a->row_bytes, b, last, f);
+        byte_step(acc, s + b % subs, a->x, r0, mr, b, f);
+    }
+    for (int r = 0; r < mr; r++) store_cols(a->out + (r0 + r) * a->ldo + c0, last, acc[r]);
+}
+
+/* out[:, n0:n1] for M <= NS_BYTE_ROWS rows, a strip at a time. */
+NS_INLINE void byte_gemv(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const strip_format f) {
+    for (Py_ssize_t c0 = n0; c0 < n1; c0 += STRIP_W) {
+        const int last = n1 - c0 < STRIP_W ? (int)(n1 - c0) : STRIP_W;
+        switch (a->M) {
+        case 1: byte_tile(a, 0, 1, c0, last, f); break;
+        case 2: byte_tile(a, 0, 2, c0, last, f); break;
+        case 3: byte_tile(a, 0, 3, c0, last, f); break;
+        case 4: byte_tile(a, 0, 4, c0, last, f); break;
+        case 5: byte_tile(a, 0, 5, c0, last, f); break;
+        case 6: byte_tile(a, 0, 6, c0, last, f); break;
+        case 7: byte_tile(a, 0, 7, c0, last, f); break;
+        default: byte_tile(a, 0, 8, c0, last, f); break;
+        }
+    }
+}
+
+#endif
