@@ -25,8 +25,9 @@ NS_INLINE ivec byte_dot(const ivec *v, const ns_xq *xq, Py_ssize_t at, const int
 }
 
 /* acc[r] over block b of rows r0 .. r0 + mr of x against the strip's block s, scaled as
- * scale_dots scales; halves (Q6_K): each half's dot less its zero point 32 times the half's sum
- * of q, scaled by d, then d2. */
+ * scale_dots scales, the dot less the format's zero point times the block's sum of q; halves
+ * (Q6_K): each half's dot less its zero point 32 times the half's sum of q, scaled by d, then
+ * d2. */
 NS_INLINE void byte_step(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq, Py_ssize_t r0,
                          const int mr, Py_ssize_t b, const strip_format f) {
 #pragma GCC unroll 8
@@ -40,7 +41,10 @@ NS_INLINE void byte_step(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq, 
             acc[r] = fv_fma(iv_to_fv(c), fv_mul(s->d2, dx), acc[r]);
             continue;
         }
-        acc[r] = fv_fma(iv_to_fv(byte_dot(s->v, xq, at, 0, 8)), fv_mul(s->d, dx), acc[r]);
+        ivec dot = byte_dot(s->v, xq, at, 0, 8);
+        if (f.byte_zero)
+            dot = iv_sub32(dot, iv_set32(f.byte_zero * (xq->sum16[2 * at] + xq->sum16[2 * at + 1])));
+        acc[r] = fv_fma(iv_to_fv(dot), fv_mul(s->d, dx), acc[r]);
         if (f.has_min) acc[r] = fv_fma(s->m, fv_set(xq->sx[at]), acc[r]);
     }
 }

@@ -48,4 +48,5 @@ const ns_block_format Q5_K_FORMAT = {
     .dequantize = q5_k_dequantize,
     .pairs = NS_BYTE_PAIRS,
     .portable = q5_k_matmul_portable,
+    .byte_gemv = 1,
 };

@@ -55,7 +55,25 @@ NS_INLINE void q4_1_unpack(strip *s, const char *w, size_t stride) {
     nibble_pairs(s->p, g, 0);
 }
 
-static const strip_format Q4_0_STRIPS = {q4_0_unpack, sizeof(block_q4_0), 0};
+/* As q4_0_unpack, into bytes (the byte GEMV): the nibbles as they are, 8 taken off by
+ * byte_step. */
+NS_INLINE void q4_0_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+    strip_heads(&s->d, &s->m, w, stride, 0);
+    s->d2 = fv_zero();
+    ivec g[4];
+    transpose_rows(g, (const char *)((const block_q4_0 *)w)->qs, stride);
+    const ivec nibbles = iv_set8(15);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        s->v[i] = iv_and(g[i], nibbles);
+        s->v[4 + i] = iv_and(iv_shr32(g[i], 4), nibbles);
+    }
+}
+
+static const strip_format Q4_0_STRIPS = {.unpack = q4_0_unpack,
+                                         .block_bytes = sizeof(block_q4_0),
+                                         .unpack_bytes = q4_0_unpack_bytes,
+                                         .byte_zero = 8};
 /* As q4_1_unpack, into bytes (the byte GEMV): the low nibbles are values 0..15, the high
  * 16..31. */
 NS_INLINE void q4_1_unpack_bytes(strip8 *s, const char *w, size_t stride) {
@@ -239,8 +257,43 @@ static const strip_format Q4_K_STRIPS = {.block_bytes = sizeof(block_q4_K),
                                          .subs = KQ_SUBS,
                                          .unpack_super = q4_k_unpack,
                                          .unpack_bytes = q4_k_unpack_bytes};
-static const strip_format Q5_K_STRIPS = {
-    .block_bytes = sizeof(block_q5_K), .has_min = 1, .subs = KQ_SUBS, .unpack_super = q5_k_unpack};
+/* As q5_k_unpack, into bytes (the byte GEMV). */
+NS_INLINE void q5_k_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+    const block_q5_K *b = (const block_q5_K *)w;
+    strip heads[KQ_SUBS];
+    kquant_heads(heads, w, stride);
+    ivec h[4], h1[4];
+    transpose_rows(h, (const char *)b->qh, stride);
+    transpose_rows(h1, (const char *)b->qh + 16, stride);
+    const ivec nibbles = iv_set8(15), bit = iv_set8(16);
+#pragma GCC unroll 4
+    for (int c = 0; c < KQ_SUBS / 2; c++) {
+        const char *q = (const char *)b->qs + 32 * c;
+        ivec g[4], g1[4];
+        transpose_rows(g, q, stride);
+        transpose_rows(g1, q + 16, stride);
+#pragma GCC unroll 2
+        for (int j = 2 * c; j < 2 * c + 2; j++) {
+            const int shift = 4 * (j & 1);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                s[j].v[i] = iv_or(iv_and(iv_shr32(g[i], shift), nibbles),
+                                  iv_and(iv_shift32(h[i], 4 - j), bit));
+                s[j].v[4 + i] = iv_or(iv_and(iv_shr32(g1[i], shift), nibbles),
+                                      iv_and(iv_shift32(h1[i], 4 - j), bit));
+            }
+            s[j].d = heads[j].d;
+            s[j].m = heads[j].m;
+            s[j].d2 = fv_zero();
+        }
+    }
+}
+
+static const strip_format Q5_K_STRIPS = {.block_bytes = sizeof(block_q5_K),
+                                         .has_min = 1,
+                                         .subs = KQ_SUBS,
+                                         .unpack_super = q5_k_unpack,
+                                         .unpack_bytes = q5_k_unpack_bytes};
 
 static NS_KERNEL void q4_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q4_K_STRIPS);

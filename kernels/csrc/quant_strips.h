@@ -55,9 +55,10 @@ typedef struct {
     int subs;
     void (*unpack_super)(strip *s, const char *w, size_t stride);
     int halves;
-    /* Where the format has a byte GEMV (ns_block_format's byte_gemv): as unpack_super, into
-     * bytes (strip8) */
+    /* Where the format has a byte GEMV (ns_block_format's byte_gemv): as unpack_super (or
+     * unpack), into bytes (strip8), whose values are less byte_zero (Q4_0's 8) */
     void (*unpack_bytes)(strip8 *s, const char *w, size_t stride);
+    int byte_zero;
 } strip_format;
 
 /* v shifted left by s bits (right by -s), s a constant after unrolling. */
