@@ -46,20 +46,8 @@ from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 Q = GGMLType
-DEQUANTIZED = (
-    Q.F32,
-    Q.F16,
-    Q.BF16,
-    Q.Q8_0,
-    Q.Q4_0,
-    Q.Q4_1,
-    Q.Q5_0,
-    Q.Q5_1,
-    Q.Q4_K,
-    Q.Q5_K,
-    Q.Q6_K,
-    Q.MXFP4,
-)
+DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K,
+               Q.Q6_K, Q.MXFP4)  # fmt: skip
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
 MOE_ARCHITECTURES = ("llama", "qwen3moe", "gpt-oss")  # those that may have expert_count
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
