@@ -26,10 +26,10 @@
  * GGML id (quant.h) and its SIMD kernel (quant_simd.h). Python reads them from _C.BLOCK_FORMATS. */
 extern const ns_block_format Q8_0_FORMAT, Q4_0_FORMAT, Q4_1_FORMAT;
 extern const ns_block_format Q5_0_FORMAT, Q5_1_FORMAT, Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT;
-extern const ns_block_format F16_FORMAT, BF16_FORMAT;
+extern const ns_block_format F16_FORMAT, BF16_FORMAT, MXFP4_FORMAT;
 static const ns_block_format *const FORMATS[] = {
     &Q8_0_FORMAT, &Q4_0_FORMAT, &Q4_1_FORMAT, &Q5_0_FORMAT, &Q5_1_FORMAT,
-    &Q4_K_FORMAT, &Q5_K_FORMAT, &Q6_K_FORMAT, &F16_FORMAT,  &BF16_FORMAT};
+    &Q4_K_FORMAT, &Q5_K_FORMAT, &Q6_K_FORMAT, &F16_FORMAT,  &BF16_FORMAT, &MXFP4_FORMAT};
 enum { NUM_FORMATS = sizeof FORMATS / sizeof FORMATS[0] };
 
 const ns_block_format *ns_block_format_of(int code) {

@@ -93,7 +93,8 @@ enum ns_path { NS_PORTABLE, NS_AVX2, NS_AVX512, NS_AVX512_VNNI, NS_AMX, NS_NUM_P
 /* GGML's type ids of the formats: the qtype codes Python passes (c_backend.QTYPE_CODES). */
 enum ns_ggml_type {
     GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
-    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30, NS_NUM_GGML_TYPES
+    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30, GGML_MXFP4 = 39,
+    NS_NUM_GGML_TYPES
 };
 
 /* Each SIMD path's kernels by GGML type id: quant_simd.h's table, which quant_avx2.c,

@@ -41,6 +41,23 @@ _Static_assert(sizeof(block_q5_1) == 24 && sizeof(block_q5_1) <= NS_MAX_BLOCK_BY
 _Static_assert((int)NS_Q8_0_VALUES == (int)QK && sizeof(block_q8_0) <= NS_MAX_BLOCK_BYTES,
                "GGUF Q8_0");
 
+/* value j = NS_MXFP4_VALUES[q_j] 2^(e - 128), q_j a nibble of qs (as Q4_0's); e is E8M0 */
+typedef struct {
+    uint8_t e;
+    uint8_t qs[QK / 2];
+} block_mxfp4;
+_Static_assert(sizeof(block_mxfp4) == 17 && sizeof(block_mxfp4) <= NS_MAX_BLOCK_BYTES,
+               "GGUF MXFP4");
+
+/* E2M1's values doubled (ggml's kvalues_mxfp4), by 4-bit code: bit 3 the sign. */
+static const int8_t NS_MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 2^(e - 128): the E8M0 scale e halved, as the doubled values want (ggml_e8m0_to_fp32_half);
+ * e < 2 gives a subnormal. */
+static inline float ns_e8m0_half(uint8_t e) {
+    return ns_bits_to_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
 /* ---------------------------------------------------------------- K-quants (quant_kquants.h) */
 
 enum { KQ_SUBS = QK_K / QK }; /* 32-value sub-blocks of a super-block */

@@ -64,6 +64,16 @@ NS_INLINE ivec iv_shr16(ivec v, int s) { return ISA(_mm512_srli_epi16, _mm256_sr
 NS_INLINE ivec iv_sar16(ivec v, int s) { return ISA(_mm512_srai_epi16, _mm256_srai_epi16)(v, s); }
 NS_INLINE ivec iv_sub16(ivec a, ivec b) { return ISA(_mm512_sub_epi16, _mm256_sub_epi16)(a, b); }
 NS_INLINE fvec iv_to_fv(ivec v) { return ISA(_mm512_cvtepi32_ps, _mm256_cvtepi32_ps)(v); }
+NS_INLINE fvec iv_as_fv(ivec v) { return ISA(_mm512_castsi512_ps, _mm256_castsi256_ps)(v); }
+NS_INLINE ivec iv_max32(ivec a, ivec b) { return ISA(_mm512_max_epi32, _mm256_max_epi32)(a, b); }
+/* The 16 bytes at t in every 128-bit lane: a table for iv_lookup8. */
+NS_INLINE ivec iv_table16(const void *t) {
+    return ISA(_mm512_broadcast_i32x4, _mm256_broadcastsi128_si256)(_mm_loadu_si128(t));
+}
+/* Each byte of v (0..15) looked up in table (iv_table16's). */
+NS_INLINE ivec iv_lookup8(ivec table, ivec v) {
+    return ISA(_mm512_shuffle_epi8, _mm256_shuffle_epi8)(table, v);
+}
 NS_INLINE fvec fv_zero(void) { return ISA(_mm512_setzero_ps, _mm256_setzero_ps)(); }
 NS_INLINE fvec fv_set(float v) { return ISA(_mm512_set1_ps, _mm256_set1_ps)(v); }
 NS_INLINE fvec fv_add(fvec a, fvec b) { return ISA(_mm512_add_ps, _mm256_add_ps)(a, b); }

@@ -101,6 +101,30 @@ static NS_KERNEL void q4_1_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q4_1_STRIPS);
 }
 
+/* ---------------------------------------------------------------- MXFP4 */
+
+/* d = 2^(e - 128) (ns_e8m0_half: e << 23 is 2^(e - 127) as a float's bits, the subnormal 2^-127
+ * for e = 0, halved exactly) and the nibble pairs (NS_NIBBLE_PAIRS) looked up in
+ * NS_MXFP4_VALUES: each int16's low byte indexes the table, its high byte (0) takes table[0] = 0,
+ * and the int8 value is then sign-extended. */
+NS_INLINE void mxfp4_unpack(strip *s, const char *w, size_t stride) {
+    const ivec e = iv_and(row_words(w, stride), iv_set32(255));
+    s->d = fv_mul(iv_as_fv(iv_max32(iv_shl32(e, 23), iv_set32(0x00400000))), fv_set(0.5f));
+    s->m = fv_zero();
+    ivec g[4];
+    transpose_rows(g, (const char *)((const block_mxfp4 *)w)->qs, stride);
+    nibble_pairs(s->p, g, 0);
+    const ivec table = iv_table16(NS_MXFP4_VALUES);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) s->p[j] = iv_sar16(iv_shl16(iv_lookup8(table, s->p[j]), 8), 8);
+}
+
+static const strip_format MXFP4_STRIPS = {mxfp4_unpack, sizeof(block_mxfp4), 0};
+
+static NS_KERNEL void mxfp4_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, MXFP4_STRIPS);
+}
+
 /* ---------------------------------------------------------------- Q5_0, Q5_1 */
 
 /* p[j] of a 5-bit block: nibble pairs (nibble_pairs of g) with qh's bits (lane c: row c's qh) at
@@ -463,5 +487,5 @@ static const ns_matmul_fn SIMD_KERNELS[NS_NUM_GGML_TYPES] = {
     [GGML_Q8_0] = q8_0_simd, [GGML_Q4_0] = q4_0_simd, [GGML_Q4_1] = q4_1_simd,
     [GGML_Q5_0] = q5_0_simd, [GGML_Q5_1] = q5_1_simd, [GGML_Q4_K] = q4_k_simd,
     [GGML_Q5_K] = q5_k_simd, [GGML_Q6_K] = q6_k_simd, [GGML_F16] = f16_simd,
-    [GGML_BF16] = bf16_simd,
+    [GGML_BF16] = bf16_simd, [GGML_MXFP4] = mxfp4_simd,
 };

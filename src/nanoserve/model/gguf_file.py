@@ -3,9 +3,9 @@ it describes, and the tensors under Hugging Face names, with the rows of the Q a
 put back in Hugging Face's order (llama's; llama.cpp keeps qwen2's and qwen3's as they are).
 Architectures `llama`, `qwen2`, `qwen3` and `gemma3` (the families of model/config.py; a bias is
 there where its tensor is, as llama.cpp loads them; Gemma 3 as llama.cpp reads its files), and the
-mixtures of experts `qwen3moe` and `llama` with `expert_count` (Mixtral), whose experts are 3-D
-tensors (ffn_gate_exps...: [experts, rows, columns]) kept in their blocks as one run of rows,
-expert after expert; any other architecture, tensor type or tokenizer is refused by name.
+mixtures of experts `qwen3moe`, `gpt-oss` (model/gguf_gpt_oss.py) and `llama` with `expert_count`
+(Mixtral), whose experts are 3-D tensors ([experts, rows, columns]) kept in their blocks as one
+run of rows, expert after expert; any other architecture, tensor type or tokenizer is refused.
 
 The header is read by model/gguf_header.py. What it yields that takes time to rebuild (scalar
 metadata, the tensor table, the built tokenizer) is kept under the cache directory
@@ -38,6 +38,7 @@ from nanoserve.kernels.quant import BLOCK_VALUES
 from nanoserve.model import gguf_cache, hugepages
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.ggml_types import GGMLType
+from nanoserve.model.gguf_gpt_oss import gpt_oss_config, yarn_rope
 from nanoserve.model.gguf_header import TensorInfo, read_header
 from nanoserve.model.quantized import Weight
 from nanoserve.model.weights import LAYER, MODEL
@@ -45,9 +46,10 @@ from nanoserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 Q = GGMLType
-DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
-MOE_ARCHITECTURES = ("llama", "qwen3moe")  # those that may have expert_count
+DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K,
+               Q.Q6_K, Q.MXFP4)  # fmt: skip
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+MOE_ARCHITECTURES = ("llama", "qwen3moe", "gpt-oss")  # those that may have expert_count
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
 # Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
 # floats (F16, BF16) included.
@@ -193,6 +195,8 @@ class GGUFCheckpoint:
             qk_norm=arch in ("qwen3", "qwen3moe"),
             **self._experts(),
         )
+        if arch == "gpt-oss":
+            return gpt_oss_config(config, self._get)
         return self._gemma3(config) if arch == "gemma3" else config
 
     def _experts(self) -> dict[str, Any]:
@@ -205,10 +209,7 @@ class GGUFCheckpoint:
             return {}
         gating = self._get("expert_gating_func", 1)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
         if gating != 1:
-            raise GGUFError(
-                f"{self.path.name}: {self.meta['general.architecture']}.expert_gating_func = "
-                f"{gating!r} is not implemented (nanoserve runs 1, softmax)"
-            )
+            raise self._refused("expert_gating_func", gating, 1)  # 1: softmax
         used = self._get("expert_used_count")
         if isinstance(used, bool) or not isinstance(used, int) or not 0 < used <= experts:
             # Else the file loads and its first step fails in the router's top-k.
@@ -270,31 +271,37 @@ class GGUFCheckpoint:
             changes["expert_count"] = (self._get("expert_count", 0), 0)
         for key in ("expert_shared_count", "expert_shared_feed_forward_length"):  # Qwen2-MoE's
             changes[key] = (self._get(key), None)
-        if arch != "gemma3":
+        if arch not in ("gemma3", "gpt-oss"):
             # llama.cpp's converter writes none for these architectures, nor says how it applies
             changes["attention.sliding_window"] = (self._get("attention.sliding_window"), None)
         for key in ("attention.logit_softcapping", "attention.scale"):  # Gemma 2's, Granite's
             changes[key] = (self._get(key), None)
         for key, (value, implemented) in changes.items():
             if value != implemented:
-                raise GGUFError(
-                    f"{self.path.name}: {self.meta['general.architecture']}.{key} = {value!r} is "
-                    f"not implemented (nanoserve runs {implemented!r})"
-                )
+                raise self._refused(key, value, implemented)
+
+    def _refused(self, key: str, value: Any, implemented: Any) -> GGUFError:
+        """The error that refuses a metadata key's value, naming it."""
+        return GGUFError(
+            f"{self.path.name}: {self.meta['general.architecture']}.{key} = {value!r} is not "
+            f"implemented (nanoserve runs {implemented!r})"
+        )
 
     def _rope(self, head_dim: int) -> RopeConfig:
         """The rope base, and per-frequency divisors: Llama 3.1's `rope_freqs` tensor, times a
-        linear scaling factor where the file has one."""
+        linear scaling factor where the file has one; or YaRN's keys (model/gguf_gpt_oss.py)."""
         factors = [1.0] * (head_dim // 2)
         if ROPE_FREQS in self.tensors:
             data = np.memmap(self.path, dtype=np.uint8, mode="r")
             factors = dequantize(data, self.tensors[ROPE_FREQS]).tolist()
         scaling = self._get("rope.scaling.type") or "none"
+        theta = float(self._get("rope.freq_base", 10000.0))
+        if scaling == "yarn" and ROPE_FREQS not in self.tensors:
+            return yarn_rope(self._get, theta, self._refused)
         if scaling == "linear":
             factors = [f * float(self._get("rope.scaling.factor", 1.0)) for f in factors]
         elif scaling != "none":
             raise GGUFError(f"{self.path.name}: rope scaling {scaling!r} is not supported")
-        theta = float(self._get("rope.freq_base", 10000.0))
         scaled = set(factors) != {1.0}
         return RopeConfig(theta=theta, freq_factors=tuple(factors) if scaled else None)
 

@@ -22,7 +22,8 @@ from nanoserve.env import cache_dir
 
 SDIST = "llama-cpp-python==0.3.36"
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* of the quantizations people download.
-FTYPES = {"Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+FTYPES = {"Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
+          "MXFP4_MOE": 38}  # fmt: skip
 PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # under vendor/llama.cpp/
 
 
