@@ -56,13 +56,30 @@ def fetch() -> Path:
     return target / "convert_hf_to_gguf.py"
 
 
-def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """`model_dir` (a Hugging Face checkpoint) written to `out` by llama.cpp's converter."""
+# Runs the converter with its pre-tokenizer's name given (sys.argv[1]) instead of recognized
+# from a hash of the tokenizer's output, which a random test vocabulary never matches.
+_NAMED_PRE = """
+import runpy, sys
+sys.path.insert(0, sys.argv[2].rsplit("/", 1)[0])
+import conversion.base
+pre = sys.argv.pop(1)
+sys.argv.pop(0)  # "-c": the script's arguments follow its name, as when it is run itself
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(model_dir: Path, out: Path, outtype: str = "f32", pre: str | None = None) -> Path:
+    """`model_dir` (a Hugging Face checkpoint) written to `out` by llama.cpp's converter.
+    `pre`: the pre-tokenizer's name written to the file (e.g. "bert-bge" for a WordPiece
+    vocabulary), where the converter would not recognize the tokenizer's."""
     script = converter()
     if script is None:
         raise FileNotFoundError("llama.cpp's converter is not fetched: run fetch() first")
+    run = [sys.executable, str(script)] if pre is None else [sys.executable, "-c", _NAMED_PRE, pre,
+                                                             str(script)]  # fmt: skip
     done = subprocess.run(
-        [sys.executable, str(script), str(model_dir), "--outfile", str(out), "--outtype", outtype],
+        [*run, str(model_dir), "--outfile", str(out), "--outtype", outtype],
         capture_output=True, text=True,
     )  # fmt: skip
     if done.returncode:
