@@ -195,11 +195,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--bert-layers", type=int, default=12)
-    parser.add_argument("--qwen3-layers", type=int, default=8, help="28 in the real model")
+    parser.add_argument("--qwen3-layers", type=int, default=28)
     parser.add_argument("--models", default="bert-base,qwen3-embedding-0.6b")
     parser.add_argument("--dtype", default="auto", help="nanoserve's (float32 or bfloat16)")
-    parser.add_argument("--nanoserve-reads", default="hf", choices=["hf", "gguf-f32", "gguf-f16"],
-                        help="what nanoserve loads: the HF directory, or llama.cpp's file")  # fmt: skip
+    reads = ["hf", "gguf-f32", "gguf-f16"]  # the HF directory, or llama.cpp's file
+    parser.add_argument("--nanoserve-reads", default="hf", choices=reads, help="what it loads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     info = machine() | {"threads": args.threads}
