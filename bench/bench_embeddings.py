@@ -102,13 +102,14 @@ def run_sentence_transformers(model: Path) -> Callable[[list[str]], list[list[fl
 
 def run_llamacpp(gguf: Path, model: Path, threads: int) -> Callable[[list[str]], list[list[float]]]:
     import llama_cpp as lc
+    import llama_cpp.llama_cpp as low  # where Llama() takes its default model parameters from
 
     from bench.llamacpp import _model_params
     from nanoserve.model import read_pooling
 
     pooling = read_pooling(model, "cls")
-    default_params = lc.llama_model_default_params
-    lc.llama_model_default_params = _model_params  # its AMX buffers off where the CPU has AMX
+    default_params = low.llama_model_default_params
+    low.llama_model_default_params = _model_params  # its AMX buffers off where the CPU has AMX
     try:
         llm = lc.Llama(
             model_path=str(gguf), embedding=True, n_threads=threads, n_threads_batch=threads,
@@ -116,7 +117,7 @@ def run_llamacpp(gguf: Path, model: Path, threads: int) -> Callable[[list[str]],
             verbose=False,
         )  # fmt: skip
     finally:
-        lc.llama_model_default_params = default_params
+        low.llama_model_default_params = default_params
     return lambda texts: llm.embed(texts, normalize=pooling.normalize)
 
 
