@@ -73,6 +73,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "bench.bench_kquants")
     session.run("python", "-m", "bench.bench_context")  # depth and prompt processing vs llama.cpp
     session.run("python", "-m", "bench.bench_moe_llamacpp")  # Qwen3-30B-A3B's layers vs llama.cpp
+    # Embeddings: BERT-base and Qwen3-Embedding-0.6B shapes vs sentence-transformers, llama.cpp
+    session.run("python", "-m", "bench.bench_embeddings")
     session.run("python", "-m", "bench.bench_tp")  # one process against two (tensor parallelism)
     session.run("python", "-m", "bench.bench_dp")  # replicas behind smg against one server
     session.run("python", "-m", "bench.bench_structured")  # grammars: compile, mask, throughput

@@ -78,6 +78,49 @@ def test_a_bert_vector_is_bitwise_the_same_alone_or_in_a_batch(embedding_model_f
     assert torch.equal(embed(engine, TEXTS[::-1]), batched.flip(0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", ["bias", "residual", "activation"])
+def test_a_tiled_rows_result_does_not_depend_on_its_place_or_neighbours(dtype, fused):
+    """bert.py's tiles: a row gives the same bits wherever in a tile it lands (the packed
+    sequences before it shift it) and whatever rows share the tile, with the bias, residual
+    or activation fused into the matmul."""
+    from nanoserve.model.bert import TILE_ROWS, _by_tiles, _tile
+    from nanoserve.model.linear import Linear
+
+    torch.manual_seed(0)
+    weight, bias = Linear(torch.randn(96, 64, dtype=dtype)), torch.randn(96, dtype=dtype)
+    x, r = torch.randn(3 * TILE_ROWS + 5, 64, dtype=dtype), torch.randn(3 * TILE_ROWS + 5, 96)
+    r = r.to(dtype)
+
+    def run(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        if fused == "residual":
+            return _by_tiles(lambda t, u: _tile(t, weight, bias, residual=u), x, r)
+        act = ("gelu", "none") if fused == "activation" else None
+        return _by_tiles(lambda t: _tile(t, weight, bias, act=act), x)
+
+    alone = run(x, r)
+    for shift in (1, 7, TILE_ROWS - 1, TILE_ROWS + 3):
+        other = torch.randn(shift, 64, dtype=dtype), torch.randn(shift, 96).to(dtype)
+        shifted = run(torch.cat([other[0], x]), torch.cat([other[1], r]))
+        assert torch.equal(shifted[shift:], alone), shift
+    assert torch.equal(run(x[:5], r[:5]), alone[:5])  # a tile of padding
+
+
+def test_a_bert_vector_longer_than_a_tile_is_bitwise_the_same_at_any_offset(
+    embedding_model_factory,
+):
+    """A text of more than TILE_ROWS tokens after 0 to 3 others: its rows start at another
+    place in the tiles each time."""
+    from nanoserve.model.bert import TILE_ROWS
+
+    engine = PoolingEngine(embedding_model_factory("bert"))
+    long = "the dog and the bird and the fish in the house by the road " * 7
+    assert len(engine.tokenizer.encode(long)) > TILE_ROWS
+    alone = embed(engine, [long])[0]
+    for before in range(1, 4):
+        assert torch.equal(embed(engine, [*TEXTS[:before], long])[before], alone), before
+
+
 def test_a_step_takes_what_fits_its_token_budget(embedding_model_factory):
     path = embedding_model_factory("bert")
     engine = PoolingEngine(path, EngineConfig(max_num_batched_tokens=32))

@@ -10,12 +10,16 @@ result for a row changes with the number of rows: another kernel, another summat
 every matmul runs on tiles of a fixed TILE_ROWS rows, the last one padded: the same shapes
 whatever the batch, and a row's sums never depend on the others' (tests/test_embeddings.py). The
 tiles go to oneDNN with each weight prepacked once (model/linear.py), for its packing's row
-count. Invariance has a price in throughput against one matmul over the batch, measured by
-bench/bench_embedding_tiles.py.
+count, the bias and the residual or activation fused into the call; a tile's attention output
+projection and norm, and its whole MLP, run before the next tile's (the MLP's activations stay
+in the cache), each tile's result written into buffers made once per forward.
+bench/bench_embedding_tiles.py measures the tiles against one matmul over the batch,
+bench/bench_embeddings.py the encoder against sentence-transformers and llama.cpp.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,12 +31,13 @@ from nanoserve.model.config import CheckpointError, read_json
 from nanoserve.model.linear import PACK_ROWS_HINT, Linear
 from nanoserve.model.loader import read_checkpoint
 
-# config.json's hidden_act -> the activation transformers' ACT2FN computes for it.
+# config.json's hidden_act -> the activation transformers' ACT2FN computes for it, as oneDNN's
+# post-op (its name, its algorithm: F.gelu's `approximate`).
 ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "relu": ("relu", ""),
 }
 
 
@@ -95,22 +100,40 @@ class Bert:
         positions = torch.cat([torch.arange(n) for n in lengths])
         h = self.word[ids] + self.token_type[types] + self.position[positions]
         h = _layer_norm(h, self.embed_norm, c.layer_norm_eps)
-        heads, head_dim = c.num_heads, c.hidden_size // c.num_heads
+        # Buffers made once for every layer (fresh ones would be faulted in page by page),
+        # and h updated in place: a tile's rows are read before they are written.
+        qkv = h.new_empty(h.shape[0], 3 * c.hidden_size)
+        a = torch.empty_like(h)
         for layer in self.layers:
-            qkv = _linear(h, layer.qkv, layer.qkv_bias)
-            a = torch.empty_like(h)
-            start = 0
-            for n in lengths:  # each sequence attends to itself: [heads, n, head_dim]
-                q, k, v = qkv[start : start + n].view(n, 3, heads, head_dim).permute(1, 2, 0, 3)
-                out = F.scaled_dot_product_attention(q, k, v)
-                a[start : start + n] = out.transpose(0, 1).reshape(n, c.hidden_size)
-                start += n
-            h = _layer_norm(h + _linear(a, layer.o, layer.o_bias), layer.attn_norm,
-                            c.layer_norm_eps)  # fmt: skip
-            up = self.act(_linear(h, layer.up, layer.up_bias))
-            h = _layer_norm(h + _linear(up, layer.down, layer.down_bias), layer.mlp_norm,
-                            c.layer_norm_eps)  # fmt: skip
+            _by_tiles(lambda x, lay=layer: _tile(x, lay.qkv, lay.qkv_bias), h, out=qkv)
+            self._attention(qkv, lengths, a)
+            _by_tiles(lambda x, r, lay=layer: self._attention_out(x, r, lay), a, h, out=h)
+            _by_tiles(lambda x, lay=layer: self._mlp(x, lay), h, out=h)
         return h
+
+    def _attention(self, qkv: torch.Tensor, lengths: list[int], a: torch.Tensor) -> None:
+        """Into `a`: each sequence attends to itself alone, [1, heads, n, head_dim] (4-D, so
+        that torch takes its flash kernel)."""
+        c = self.config
+        heads, head_dim = c.num_heads, c.hidden_size // c.num_heads
+        start = 0
+        for n in lengths:
+            q, k, v = qkv[start : start + n].view(1, n, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(q, k, v)
+            a[start : start + n] = out[0].transpose(0, 1).reshape(n, c.hidden_size)
+            start += n
+
+    def _attention_out(self, a: torch.Tensor, h: torch.Tensor, layer: BertLayer) -> torch.Tensor:
+        """A tile's attention output projected, added to its residual h, normed."""
+        out = _tile(a, layer.o, layer.o_bias, residual=h)
+        return _layer_norm(out, layer.attn_norm, self.config.layer_norm_eps)
+
+    def _mlp(self, h: torch.Tensor, layer: BertLayer) -> torch.Tensor:
+        """A tile's MLP, residual and norm: its [TILE_ROWS, intermediate] activations stay in
+        the cache, never written out for the whole batch."""
+        up = _tile(h, layer.up, layer.up_bias, act=self.act)
+        out = _tile(up, layer.down, layer.down_bias, residual=h)
+        return _layer_norm(out, layer.mlp_norm, self.config.layer_norm_eps)
 
     def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
         """The classifier's logits [rows, num_labels] (float32) from the [CLS] rows' states."""
@@ -121,12 +144,50 @@ class Bert:
 
 def _linear(x: torch.Tensor, weight: Linear, bias: torch.Tensor) -> torch.Tensor:
     """x @ weight.T + bias in tiles of TILE_ROWS rows (see the module's docstring)."""
-    n = x.shape[0]
-    pad = -n % TILE_ROWS
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    out = torch.cat([weight(tile) for tile in x.split(TILE_ROWS)])
-    return out[:n].add_(bias)
+    return _by_tiles(lambda tile: _tile(tile, weight, bias), x)
+
+
+def _by_tiles(
+    fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fn over tiles of TILE_ROWS rows of `inputs` (the last padded with zeros), each tile's
+    result written to `out` (made if None) as it is made, while still in the cache."""
+    n = inputs[0].shape[0]
+    for start in range(0, n, TILE_ROWS):
+        rows = min(TILE_ROWS, n - start)
+        y = fn(*(_pad(x[start : start + rows]) for x in inputs))
+        if out is None:
+            out = y.new_empty(n, y.shape[1])
+        out[start : start + rows] = y[:rows]
+    assert out is not None
+    return out
+
+
+def _pad(tile: torch.Tensor) -> torch.Tensor:
+    pad = TILE_ROWS - tile.shape[0]
+    return torch.cat([tile, tile.new_zeros(pad, tile.shape[1])]) if pad else tile
+
+
+def _tile(
+    x: torch.Tensor, weight: Linear, bias: torch.Tensor, residual: torch.Tensor | None = None,
+    act: tuple[str, str] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One tile through oneDNN's packed weight, the bias, residual or activation fused into the
+    call (elementwise: a row's values stay its own), or through F.linear where oneDNN cannot
+    take the weight's dtype."""
+    packed, ops = weight.packed, torch.ops.mkldnn
+    if packed is not None and residual is not None:
+        return ops._linear_pointwise.binary(x, residual, packed, bias, "add")
+    if packed is not None:
+        name, algorithm = act or ("none", "")
+        return ops._linear_pointwise(x, packed, bias, name, [None] if act is None else [],
+                                     algorithm)  # fmt: skip
+    y = F.linear(x, weight.weight, bias)
+    if residual is not None:
+        return y + residual
+    if act is None:
+        return y
+    return F.relu(y) if act[0] == "relu" else F.gelu(y, approximate=act[1])
 
 
 def _strip(name: str) -> str:

@@ -35,12 +35,14 @@ BERT = dict(
 )  # fmt: skip
 
 
-def bert_tokenizer() -> Tokenizer:
+def bert_tokenizer(size: int | None = None) -> Tokenizer:
     """WordPiece over the specials, the letters (with ## continuations) and WORDS, lower-cased
-    as BERT's uncased tokenizers are; pairs get token types 0 and 1."""
+    as BERT's uncased tokenizers are; pairs get token types 0 and 1. `size`: the vocabulary
+    filled up to that many entries with [unusedN] tokens (as BERT's own has them)."""
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,?!'")
-    # Each token once ("a" is a letter and a word), so that ids run from 0 to the size - 1.
+    # Once each ("a" is a letter and a word): llama.cpp's converter wants ids below the size.
     vocab = list(dict.fromkeys([*SPECIALS, *letters, *("##" + c for c in letters), *WORDS]))
+    vocab += [f"[unused{i}]" for i in range(max(0, (size or 0) - len(vocab)))]
     tok = Tokenizer(WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -54,7 +56,7 @@ def bert_tokenizer() -> Tokenizer:
 
 
 def _save_bert(path: Path, architecture: str, seed: int, **config: Any) -> Path:
-    tok = bert_tokenizer()
+    tok = bert_tokenizer(config.pop("vocab_size", None))
     cfg = transformers.BertConfig(vocab_size=tok.get_vocab_size(), **{**BERT, **config})
     torch.manual_seed(seed)
     cls = getattr(transformers, architecture)
