@@ -20,19 +20,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # The formats weights may be kept in (the C kernels' table, in its order): what `quantization` may
 # quantize to, but the K-quants (kernels.quant.NOT_QUANTIZED: made by llama.cpp's quantizer,
 # refused here).
-BLOCK_FORMATS = (
-    "q8_0",
-    "q4_0",
-    "q4_1",
-    "q5_0",
-    "q5_1",
-    "q4_k",
-    "q5_k",
-    "q6_k",
-    "f16",
-    "bf16",
-    "mxfp4",
-)
+BLOCK_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16",
+                 "mxfp4")  # fmt: skip
 QUANTIZATIONS = ("auto", "none", *BLOCK_FORMATS)
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")  # nanoserve.kernels' BACKENDS
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.model.config_fields import as_ids, flag, positive_int, positive_number
-from nanoserve.model.config_moe import moe_fields
+from nanoserve.model.config_moe import gpt_oss_fields, moe_fields
 
 # architectures entry -> model_type: the families the one decoder runs.
 FAMILIES = {
@@ -184,7 +184,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             layer_windows=_layer_windows(d, family),
             **moe,
-            **_gpt_oss_fields(d, family),
+            **gpt_oss_fields(d, family),
         )
 
 
@@ -347,16 +347,6 @@ def _gemma3_ropes(d: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     except ValueError as e:
         raise ValueError(f"sliding_attention layers: {e}") from None
     return rope, local_rope
-
-
-def _gpt_oss_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
-    """GptOssConfig's SwiGLU alpha and limit, with its defaults (1.702, 7.0)."""
-    if family != "gpt_oss":
-        return {}
-    return {
-        "swiglu_alpha": positive_number(d, "swiglu_alpha", 1.702),
-        "swiglu_limit": positive_number(d, "swiglu_limit", 7.0),
-    }
 
 
 def _layer_windows(d: dict[str, Any], family: str) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanoserve.model.config_fields import flag, positive_int
+from nanoserve.model.config_fields import flag, positive_int, positive_number
 
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 
@@ -46,4 +46,14 @@ def moe_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
         "experts_per_token": per_token,
         "expert_size": positive_int(d, size_key),
         "norm_topk_prob": local or flag(d, "norm_topk_prob", False),
+    }
+
+
+def gpt_oss_fields(d: dict[str, Any], family: str) -> dict[str, Any]:
+    """GptOssConfig's SwiGLU alpha and limit, with its defaults (1.702, 7.0)."""
+    if family != "gpt_oss":
+        return {}
+    return {
+        "swiglu_alpha": positive_number(d, "swiglu_alpha", 1.702),
+        "swiglu_limit": positive_number(d, "swiglu_limit", 7.0),
     }
