@@ -30,6 +30,8 @@ FINAL = "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris."
 PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Let me look.<|end|>"
 CALL_FIRST = ("<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
               '{"zone": "CET"}')  # fmt: skip
+# A call that max_tokens cut short is no call: its text is left as the content.
+CUT_CALL = '<|channel|>commentary to=functions.get_weather<|message|>{"city":"Paris"}'
 BROWSE = '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"q": "x"}'
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -55,10 +57,11 @@ def _format(tokenizer, tools):
      (ANALYSIS + PREAMBLE + CALL_FIRST, "stop", True,
       (THOUGHT, "Let me look.", [{"name": "get_time", "arguments": '{"zone": "CET"}'}])),
      (ANALYSIS + BROWSE + "<|call|>", "stop", False, (f'{THOUGHT}\n{{"q": "x"}}', None, [])),
+     (ANALYSIS + CALL, "length", True, (THOUGHT, CUT_CALL, [])),  # max_tokens cut the call
      (ANALYSIS[:-10], "length", True, (THOUGHT[:-3], None, [])),  # cut short in the analysis
      (ANALYSIS + "<|start|>assistant<|channel|>fin", "length", True, (THOUGHT, None, [])),
      ("Plain words, no harmony.", "stop", False, (None, "Plain words, no harmony.", []))],
-    ids=["final", "call", "preamble-and-call", "builtin-tool", "cut-in-analysis",
+    ids=["final", "call", "preamble-and-call", "builtin-tool", "cut-call", "cut-in-analysis",
          "cut-in-header", "no-harmony"],
 )  # fmt: skip
 def test_a_stream_cut_anywhere_adds_up_to_the_unary_answer(tokenizer, text, finish, tools,

@@ -20,12 +20,14 @@ FUNCTIONS = "functions."  # the recipient namespace of the client's functions
 
 @dataclass(frozen=True)
 class Message:
-    """One message of the output: `closed`: its body is complete."""
+    """One message of the output: `closed`: its body is complete; `ended`: by a closing tag
+    (not by the end of the output: a call cut short by max_tokens is closed, not ended)."""
 
     channel: str
     recipient: str
     body: str
     closed: bool
+    ended: bool = False
 
 
 def is_harmony(chat_template: str | None) -> bool:
@@ -54,7 +56,7 @@ def messages(text: str, final: bool) -> list[Message]:
             body = body[: min(ends)]
         elif not final:
             body = _held_back(body)
-        found.append(Message(_channel(header), _recipient(header), body, closed))
+        found.append(Message(_channel(header), _recipient(header), body, closed, bool(ends)))
     return found
 
 

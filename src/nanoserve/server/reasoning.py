@@ -41,7 +41,7 @@ class ReasoningSyntax:
     end: str
     stops: tuple[str, ...] = ()  # tokens that end the assistant's turn, where the format has them
 
-    def split(self, text: str, started: bool, final: bool) -> Split:
+    def split(self, text: str, started: bool, final: bool, cut: bool = False) -> Split:
         """The thinking and the answer in an output's text (`started`: the prompt left a
         thinking open, so the text starts in it). While the text grows (not `final`), what may
         still become a tag and the whitespace that may end the thinking are held back, so that
@@ -88,14 +88,16 @@ class HarmonySyntax(ReasoningSyntax):
     `start` and `end` are what the engine follows of the thinking: a forced end moves on to the
     final channel."""
 
-    def split(self, text: str, started: bool, final: bool) -> Split:
+    def split(self, text: str, started: bool, final: bool, cut: bool = False) -> Split:
         if started:
             text = self.start + text
         reasoning: list[str] = []
         content = ""
         for m in harmony.messages(text, final):
             if m.recipient.startswith(harmony.FUNCTIONS):
-                close = harmony.CALL if m.closed else ""
+                # A call the output stopped in (the engine stops at <|call|>) is whole; one that
+                # max_tokens cut short (`cut`) is not a call.
+                close = harmony.CALL if m.ended or (m.closed and not cut) else ""
                 content += f"{harmony.CHANNEL}commentary to={m.recipient}{harmony.MESSAGE}"
                 content += m.body + close
             elif m.channel == "analysis" or m.recipient:
@@ -139,14 +141,15 @@ class Reasoning:
     syntax: ReasoningSyntax
     started: bool = False
 
-    def split(self, text: str, final: bool) -> Split:
-        return self.syntax.split(text, self.started, final)
+    def split(self, text: str, final: bool, cut: bool = False) -> Split:
+        """`cut`: the output finished for its length (max_tokens), not at a stop."""
+        return self.syntax.split(text, self.started, final, cut)
 
-    def answer(self, text: str) -> tuple[str | None, str | None]:
+    def answer(self, text: str, cut: bool = False) -> tuple[str | None, str | None]:
         """A finished output's reasoning and content, as a unary response gives them: no
         reasoning is null; a thinking with no answer after it (cut short inside it) has a null
         content; an output without thinking is all content, as it is."""
-        split = self.split(text, final=True)
+        split = self.split(text, final=True, cut=cut)
         if not split.thinking:
             return None, split.content
         return split.reasoning or None, split.content or None

@@ -194,7 +194,7 @@ class ChatFormat(ResponseFormat):
         answer = c.text
         deltas: list[dict[str, Any]] = []
         if self.reasoning is not None:
-            split = self.reasoning.split(c.text, final=done)
+            split = self.reasoning.split(c.text, final=done, cut=c.finish_reason == "length")
             if len(split.reasoning) > state.reasoning_sent:
                 new = split.reasoning[state.reasoning_sent :]
                 deltas.append({"reasoning_content": new, "reasoning": new})
@@ -275,7 +275,7 @@ class ChatFormat(ResponseFormat):
         self.cached_tokens = {0: out.num_cached_tokens}
         choices = []
         for c in out.outputs:
-            message = self._message(c.text)
+            message = self._message(c.text, c.finish_reason == "length")
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -296,12 +296,13 @@ class ChatFormat(ResponseFormat):
             prompt_logprobs=scored, prompt_token_ids=prompt_ids,
         )  # fmt: skip
 
-    def _message(self, text: str) -> ChatMessageOut:
-        """A finished choice's message: its thinking, its content and its calls."""
+    def _message(self, text: str, cut: bool = False) -> ChatMessageOut:
+        """A finished choice's message: its thinking, its content and its calls (`cut`: it
+        finished for its length)."""
         reasoning: str | None = None
         content: str | None = text
         if self.reasoning is not None:
-            reasoning, content = self.reasoning.answer(text)
+            reasoning, content = self.reasoning.answer(text, cut)
         calls = []
         tools = self.tools
         if tools is not None and content is not None:
