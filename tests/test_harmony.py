@@ -13,7 +13,7 @@ from test_reasoning import _snapshot, _streamed
 from nanoserve.engine import SamplingParams
 from nanoserve.server.chat_plan import chat_inputs, chat_plan
 from nanoserve.server.protocol import ChatCompletionRequest, InvalidRequest, parse
-from nanoserve.server.reasoning import HARMONY, Reasoning, parser_for
+from nanoserve.server.reasoning import HARMONY, PARSERS, Reasoning, parser_for
 from nanoserve.server.responses import ChatFormat, ToolPlan
 from nanoserve.server.tools import HARMONY_TOOLS, syntax_for
 from nanoserve.testing.hf_families import harmony_tokenizer
@@ -148,6 +148,19 @@ def test_a_required_call_is_refused_by_name(tokenizer):
     with pytest.raises(InvalidRequest, match="harmony") as e:
         chat_plan(req, tokenizer, HARMONY, inputs, prompt)
     assert e.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("parser", [None, PARSERS["think"]])
+def test_tools_without_the_harmony_parser_are_refused_by_name(tokenizer, parser):
+    """The harmony calls are read out of the text the harmony reasoning parser rewrites: under
+    --reasoning-parser none (or think) a gpt-oss template's calls would be lost in the content."""
+    req = _request(tools=[WEATHER_TOOL])
+    inputs = chat_inputs(req, TEMPLATE)
+    prompt, _ = tokenizer.render_chat(inputs.messages, **inputs.kwargs)
+    with pytest.raises(InvalidRequest, match="openai_gptoss") as e:
+        chat_plan(req, tokenizer, parser, inputs, prompt)
+    assert e.value.param == "tools"
+    assert chat_plan(req, tokenizer, HARMONY, inputs, prompt).tools is not None
 
 
 def test_the_template_gets_what_it_reads(tokenizer):

@@ -13,9 +13,9 @@ from typing import Any
 from nanoserve.engine import SamplingParams, ThinkingParams
 from nanoserve.server.harmony import is_harmony
 from nanoserve.server.protocol import ChatCompletionRequest, InvalidRequest, message_dicts
-from nanoserve.server.reasoning import Reasoning, ReasoningSyntax, thinking_switch
+from nanoserve.server.reasoning import HARMONY, Reasoning, ReasoningSyntax, thinking_switch
 from nanoserve.server.responses import ToolPlan
-from nanoserve.server.tools import ToolSyntax, render_history, syntax_for
+from nanoserve.server.tools import HARMONY_TOOLS, ToolSyntax, render_history, syntax_for
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -72,6 +72,12 @@ def chat_plan(
         raise InvalidRequest(
             "response_format and structured outputs cannot be combined with tools unless "
             'tool_choice is "none"',
+            "tools",
+        )
+    if offered and syntax is HARMONY_TOOLS and parser is not HARMONY:
+        raise InvalidRequest(
+            "tools: gpt-oss's harmony calls are read by the openai_gptoss reasoning parser, and "
+            f"this server runs with --reasoning-parser {parser.name if parser else 'none'}",
             "tools",
         )
     tags = {t: i for t in syntax.tags() if (i := tokenizer.token_id(t)) is not None}
