@@ -125,7 +125,7 @@ void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split, int bytes) {
     const size_t scale_bytes = ((size_t)(rows * xq->blocks) * sizeof(float) + 63) & ~(size_t)63;
     const size_t tile_bytes = split ? (size_t)(rows * K) * 2 : 0;
     const size_t byte_bytes = bytes ? ((size_t)(M * K) + 63) & ~(size_t)63 : 0;
-    const size_t sum_bytes = bytes ? (size_t)(M * K / 16) * sizeof(int32_t) : 0;
+    const size_t sum_bytes = bytes ? (size_t)(M * K / 16 + M * K / QK) * sizeof(int32_t) : 0;
     char *base = aligned_alloc(
         64, q_bytes + 2 * scale_bytes + tile_bytes + 2 * byte_bytes + sum_bytes + 64);
     if (!base) return NULL;
@@ -137,6 +137,7 @@ void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split, int bytes) {
     xq->lo = bytes ? (uint8_t *)(base + q_bytes + 2 * scale_bytes + tile_bytes + byte_bytes) : NULL;
     xq->sum16 = bytes ? (int32_t *)(base + q_bytes + 2 * scale_bytes + tile_bytes + 2 * byte_bytes)
                       : NULL;
+    xq->hisum = bytes ? xq->sum16 + M * K / 16 : NULL;
     if (split) {
         xq->tiles = (int8_t *)(base + q_bytes + 2 * scale_bytes);
         const size_t pad = (size_t)(rows - M) * (size_t)xq->blocks;
@@ -198,6 +199,9 @@ void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py
             for (int j = 16 * h; j < 16 * h + 16; j++) s16 += v[j];
             xq->sum16[(m * xq->blocks + b) * 2 + h] = s16;
         }
+        int32_t hs = 0;
+        for (int j = 0; xq->hi && j < QK; j++) hs += v[j] >> 8;
+        if (xq->hi) xq->hisum[m * xq->blocks + b] = hs;
     }
 }
 

@@ -64,6 +64,7 @@ typedef struct {
     int8_t *hi;
     uint8_t *lo;
     int32_t *sum16;
+    int32_t *hisum; /* per block, the sum of its hi (Q8_0's W offset by 128 times it) */
 } ns_xq;
 
 /* The AMX path's GEMM takes M >= NS_AMX_ROWS rows in tiles of NS_AMX_ROWS; fewer, the VNNI GEMV

@@ -1,33 +1,38 @@
 /* The decode GEMV on the VNNI paths for the formats that unpack W to bytes (strip_format's
- * unpack_bytes): each int16 activation q as 256 hi + lo (ns_xq's hi, signed, and lo, unsigned),
- * so that two vpdpbusd per 4 values (W's unsigned bytes times hi, then lo times W's bytes, W's
- * values being at most 127; dot_w_x, dot_x_w) give the block's int32 dot exactly: the same integer that
- * vpdpwssd gives on the int16 pairs of strip_tile, scaled by the same operations, so the results
- * are bitwise the GEMM's and the portable path's. It saves widening W to int16 pairs, which
- * bounded the int16 GEMV on an AMD EPYC (bench/experiments/int8_gemv.py). Included by
- * quant_strips.h where NS_VNNI is defined.
+ * unpack_bytes: Q8_0, Q4_K, Q5_K, Q6_K): each int16 activation q as 256 hi + lo (ns_xq's hi,
+ * signed, and lo, unsigned), so that two vpdpbusd per 4 values (dot_w_x: W's unsigned bytes
+ * times hi; dot_x_w: lo times W's bytes as signed) give the block's int32 dot exactly: the same
+ * integer that vpdpwssd gives on the int16 pairs of strip_tile, scaled by the same operations,
+ * so the results are bitwise the GEMM's. It saves widening W to int16 pairs, which bounded the
+ * K-quants' int16 GEMV on an AMD EPYC (bench/experiments/int8_gemv.py). Q4_0 and Q4_1 gained
+ * nothing from it there (their pairs come cheaply) and keep the int16 GEMV, as do Q5_0 and Q5_1
+ * (each byte's high bit sits at another place of qh). Included by quant_strips.h where NS_VNNI
+ * is defined.
  */
 #ifndef NANOSERVE_QUANT_BYTES_H
 #define NANOSERVE_QUANT_BYTES_H
 
 /* The exact int32 dot of values v[i0 .. i0 + n) of a block with row `at`'s activations there:
- * 256 times W's with hi, plus lo's with W. */
-NS_INLINE ivec byte_dot(const ivec *v, const ns_xq *xq, Py_ssize_t at, const int i0, const int n) {
+ * 256 times W's with hi, plus lo's with W. Signed W (Q8_0: v holds w + 128): the hi dot less 128
+ * times the block's sum of hi, and the lo dot with v less 128 again (signed bytes). */
+NS_INLINE ivec byte_dot(const ivec *v, const ns_xq *xq, Py_ssize_t at, const int i0, const int n,
+                        const int is_signed) {
     const int8_t *hi = xq->hi + at * QK;
     const uint8_t *lo = xq->lo + at * QK;
-    ivec dot = iv_zero();
+    const ivec offset = iv_set8(is_signed ? -128 : 0);
+    ivec dh = iv_zero(), dl = iv_zero(); /* two chains, not one: vpdpbusd's latency */
 #pragma GCC unroll 8
-    for (int i = i0; i < i0 + n; i++) dot = dot_w_x(dot, v[i], hi + 4 * i);
-    dot = iv_shl32(dot, 8);
-#pragma GCC unroll 8
-    for (int i = i0; i < i0 + n; i++) dot = dot_x_w(dot, v[i], lo + 4 * i);
-    return dot;
+    for (int i = i0; i < i0 + n; i++) {
+        dh = dot_w_x(dh, v[i], hi + 4 * i);
+        dl = dot_x_w(dl, is_signed ? iv_xor(v[i], offset) : v[i], lo + 4 * i);
+    }
+    if (is_signed) dh = iv_sub32(dh, iv_set32(128 * xq->hisum[at]));
+    return iv_add32(iv_shl32(dh, 8), dl);
 }
 
 /* acc[r] over block b of rows r0 .. r0 + mr of x against the strip's block s, scaled as
- * scale_dots scales, the dot less the format's zero point times the block's sum of q; halves
- * (Q6_K): each half's dot less its zero point 32 times the half's sum of q, scaled by d, then
- * d2. */
+ * scale_dots scales; halves (Q6_K): each half's dot less its zero point 32 times the half's sum
+ * of q, scaled by d, then d2. */
 NS_INLINE void byte_step(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq, Py_ssize_t r0,
                          const int mr, Py_ssize_t b, const strip_format f) {
 #pragma GCC unroll 8
@@ -35,15 +40,15 @@ NS_INLINE void byte_step(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq, 
         const Py_ssize_t at = (r0 + r) * xq->blocks + b;
         const fvec dx = fv_set(xq->dx[at]);
         if (f.halves) {
-            const ivec a = iv_sub32(byte_dot(s->v, xq, at, 0, 4), iv_set32(32 * xq->sum16[2 * at]));
-            const ivec c = iv_sub32(byte_dot(s->v, xq, at, 4, 4), iv_set32(32 * xq->sum16[2 * at + 1]));
+            const ivec a = iv_sub32(byte_dot(s->v, xq, at, 0, 4, 0),
+                                    iv_set32(32 * xq->sum16[2 * at]));
+            const ivec c = iv_sub32(byte_dot(s->v, xq, at, 4, 4, 0),
+                                    iv_set32(32 * xq->sum16[2 * at + 1]));
             acc[r] = fv_fma(iv_to_fv(a), fv_mul(s->d, dx), acc[r]);
             acc[r] = fv_fma(iv_to_fv(c), fv_mul(s->d2, dx), acc[r]);
             continue;
         }
-        ivec dot = byte_dot(s->v, xq, at, 0, 8);
-        if (f.byte_zero)
-            dot = iv_sub32(dot, iv_set32(f.byte_zero * (xq->sum16[2 * at] + xq->sum16[2 * at + 1])));
+        const ivec dot = byte_dot(s->v, xq, at, 0, 8, f.byte_signed);
         acc[r] = fv_fma(iv_to_fv(dot), fv_mul(s->d, dx), acc[r]);
         if (f.has_min) acc[r] = fv_fma(s->m, fv_set(xq->sx[at]), acc[r]);
     }

@@ -60,5 +60,4 @@ const ns_block_format Q4_0_FORMAT = {
     .dequantize = q4_0_dequantize,
     .pairs = NS_NIBBLE_PAIRS,
     .portable = q4_0_matmul_portable,
-    .byte_gemv = 1,
 };

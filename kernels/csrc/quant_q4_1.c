@@ -58,5 +58,4 @@ const ns_block_format Q4_1_FORMAT = {
     .dequantize = q4_1_dequantize,
     .pairs = NS_NIBBLE_PAIRS,
     .portable = q4_1_matmul_portable,
-    .byte_gemv = 1,
 };

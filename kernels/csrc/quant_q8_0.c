@@ -35,4 +35,5 @@ const ns_block_format Q8_0_FORMAT = {
     .dequantize = q8_0_dequantize,
     .pairs = NS_BYTE_PAIRS,
     .portable = q8_0_matmul_portable,
+    .byte_gemv = 1,
 };

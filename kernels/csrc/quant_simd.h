@@ -31,7 +31,26 @@ NS_INLINE void q8_0_unpack(strip *s, const char *w, size_t stride) {
     }
 }
 
-static const strip_format Q8_0_STRIPS = {q8_0_unpack, sizeof(block_q8_0), 0};
+/* As q8_0_unpack, into bytes (the byte GEMV): each value plus 128, as unsigned bytes. */
+NS_INLINE void q8_0_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+    const block_q8_0 *b = (const block_q8_0 *)w;
+    strip_heads(&s->d, &s->m, w, stride, 0);
+    s->d2 = fv_zero();
+    ivec g[4], g1[4];
+    transpose_rows(g, (const char *)b->qs, stride);
+    transpose_rows(g1, (const char *)b->qs + 16, stride);
+    const ivec offset = iv_set8(-128);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        s->v[i] = iv_xor(g[i], offset);
+        s->v[4 + i] = iv_xor(g1[i], offset);
+    }
+}
+
+static const strip_format Q8_0_STRIPS = {.unpack = q8_0_unpack,
+                                         .block_bytes = sizeof(block_q8_0),
+                                         .unpack_bytes = q8_0_unpack_bytes,
+                                         .byte_signed = 1};
 
 static NS_KERNEL void q8_0_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q8_0_STRIPS);
@@ -55,43 +74,8 @@ NS_INLINE void q4_1_unpack(strip *s, const char *w, size_t stride) {
     nibble_pairs(s->p, g, 0);
 }
 
-/* As q4_0_unpack, into bytes (the byte GEMV): the nibbles as they are, 8 taken off by
- * byte_step. */
-NS_INLINE void q4_0_unpack_bytes(strip8 *s, const char *w, size_t stride) {
-    strip_heads(&s->d, &s->m, w, stride, 0);
-    s->d2 = fv_zero();
-    ivec g[4];
-    transpose_rows(g, (const char *)((const block_q4_0 *)w)->qs, stride);
-    const ivec nibbles = iv_set8(15);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        s->v[i] = iv_and(g[i], nibbles);
-        s->v[4 + i] = iv_and(iv_shr32(g[i], 4), nibbles);
-    }
-}
-
-static const strip_format Q4_0_STRIPS = {.unpack = q4_0_unpack,
-                                         .block_bytes = sizeof(block_q4_0),
-                                         .unpack_bytes = q4_0_unpack_bytes,
-                                         .byte_zero = 8};
-/* As q4_1_unpack, into bytes (the byte GEMV): the low nibbles are values 0..15, the high
- * 16..31. */
-NS_INLINE void q4_1_unpack_bytes(strip8 *s, const char *w, size_t stride) {
-    strip_heads(&s->d, &s->m, w, stride, 1);
-    s->d2 = fv_zero();
-    ivec g[4];
-    transpose_rows(g, (const char *)((const block_q4_1 *)w)->qs, stride);
-    const ivec nibbles = iv_set8(15);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        s->v[i] = iv_and(g[i], nibbles);
-        s->v[4 + i] = iv_and(iv_shr32(g[i], 4), nibbles);
-    }
-}
-
-static const strip_format Q4_1_STRIPS = {
-    .unpack = q4_1_unpack, .block_bytes = sizeof(block_q4_1), .has_min = 1,
-    .unpack_bytes = q4_1_unpack_bytes};
+static const strip_format Q4_0_STRIPS = {q4_0_unpack, sizeof(block_q4_0), 0};
+static const strip_format Q4_1_STRIPS = {q4_1_unpack, sizeof(block_q4_1), 1};
 
 static NS_KERNEL void q4_0_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q4_0_STRIPS);

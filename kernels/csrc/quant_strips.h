@@ -56,9 +56,10 @@ typedef struct {
     void (*unpack_super)(strip *s, const char *w, size_t stride);
     int halves;
     /* Where the format has a byte GEMV (ns_block_format's byte_gemv): as unpack_super (or
-     * unpack), into bytes (strip8), whose values are less byte_zero (Q4_0's 8) */
+     * unpack), into bytes (strip8) */
     void (*unpack_bytes)(strip8 *s, const char *w, size_t stride);
-    int byte_zero;
+    /* Q8_0's signed bytes, unpacked offset by 128 (unsigned); byte_dot takes the offset off */
+    int byte_signed;
 } strip_format;
 
 /* v shifted left by s bits (right by -s), s a constant after unrolling. */
