@@ -57,6 +57,7 @@ NS_INLINE ivec iv_set8(int v) { return ISA(_mm512_set1_epi8, _mm256_set1_epi8)((
 NS_INLINE ivec iv_and(ivec a, ivec b) { return ISA(_mm512_and_si512, _mm256_and_si256)(a, b); }
 NS_INLINE ivec iv_or(ivec a, ivec b) { return ISA(_mm512_or_si512, _mm256_or_si256)(a, b); }
 NS_INLINE ivec iv_xor(ivec a, ivec b) { return ISA(_mm512_xor_si512, _mm256_xor_si256)(a, b); }
+NS_INLINE ivec iv_add32(ivec a, ivec b) { return ISA(_mm512_add_epi32, _mm256_add_epi32)(a, b); }
 NS_INLINE ivec iv_shl32(ivec v, int s) { return ISA(_mm512_slli_epi32, _mm256_slli_epi32)(v, s); }
 NS_INLINE ivec iv_shr32(ivec v, int s) { return ISA(_mm512_srli_epi32, _mm256_srli_epi32)(v, s); }
 NS_INLINE ivec iv_sar32(ivec v, int s) { return ISA(_mm512_srai_epi32, _mm256_srai_epi32)(v, s); }
@@ -119,7 +120,6 @@ NS_INLINE ivec dot_x_w(ivec acc, ivec w, const uint8_t *x) {
 }
 
 NS_INLINE ivec iv_sub32(ivec a, ivec b) { return _mm512_sub_epi32(a, b); }
-NS_INLINE ivec iv_add32(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 #endif
 
 /* STRIP_W values (f16, or bf16) at p as float32. */

@@ -170,21 +170,30 @@ NS_INLINE void scale_dots(fvec acc[GEMV_ROWS][TILE_NR], ivec dot[GEMV_ROWS][TILE
 NS_INLINE void block_step(fvec acc[GEMV_ROWS][TILE_NR], const strip *const s[TILE_NR],
                           const ns_xq *xq, Py_ssize_t r0, const int mr, const int nr,
                           Py_ssize_t b, const strip_format f) {
-    ivec dot[GEMV_ROWS][TILE_NR];
+    /* odd: where nr == 1 (the GEMV), the odd steps' dots, a second chain beside dot's, since one
+     * chain of vpdpwssd waits on its latency (AMD EPYC: 16.5 against 19.5 GB/s for vpmaddwd and
+     * vpaddd); added into dot before scaling, so the integer, and the result, are the same. */
+    ivec dot[GEMV_ROWS][TILE_NR], odd[GEMV_ROWS];
     const Py_ssize_t q_stride = xq->blocks * QK;
     const int16_t *x = xq->q + r0 * q_stride + b * QK;
 #pragma GCC unroll 8
-    for (int r = 0; r < mr; r++)
+    for (int r = 0; r < mr; r++) {
+        odd[r] = iv_zero();
 #pragma GCC unroll 3
         for (int c = 0; c < nr; c++) dot[r][c] = iv_zero();
+    }
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {
         if (f.halves && j == 8) { /* Q6_K: values 0..15 done, scaled by d */
+#pragma GCC unroll 8
+            for (int r = 0; nr == 1 && r < mr; r++) dot[r][0] = iv_add32(dot[r][0], odd[r]);
             scale_dots(acc, dot, s, xq, r0, mr, nr, b, 0, 0);
 #pragma GCC unroll 8
-            for (int r = 0; r < mr; r++)
+            for (int r = 0; r < mr; r++) {
+                odd[r] = iv_zero();
 #pragma GCC unroll 3
                 for (int c = 0; c < nr; c++) dot[r][c] = iv_zero();
+            }
         }
         ivec w[TILE_NR];
 #pragma GCC unroll 3
@@ -194,10 +203,16 @@ NS_INLINE void block_step(fvec acc[GEMV_ROWS][TILE_NR], const strip *const s[TIL
             int32_t pair;
             memcpy(&pair, x + r * q_stride + 2 * j, 4);
             const ivec xb = iv_set32(pair);
+            if (nr == 1 && (j & 1)) {
+                odd[r] = dot_pairs(odd[r], w[0], xb);
+                continue;
+            }
 #pragma GCC unroll 3
             for (int c = 0; c < nr; c++) dot[r][c] = dot_pairs(dot[r][c], w[c], xb);
         }
     }
+#pragma GCC unroll 8
+    for (int r = 0; nr == 1 && r < mr; r++) dot[r][0] = iv_add32(dot[r][0], odd[r]);
     scale_dots(acc, dot, s, xq, r0, mr, nr, b, f.halves, f.has_min);
 }
 
