@@ -21,6 +21,7 @@ runs after a warm-up. Results: bench/results/embeddings.json and .png, with the 
 flags and the thread count.
 
     python -m bench.bench_embeddings [--threads 2] [--texts 256] [--qwen3-layers 28]
+                                     [--dtype float32] [--skip-llamacpp]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -80,6 +82,7 @@ def run_nanoserve(model: Path, dtype: str) -> Callable[[list[str]], list[list[fl
 
     config = EngineConfig(dtype=dtype, max_num_seqs=1024, max_num_batched_tokens=1 << 20)
     engine = PoolingEngine(model, config)
+    print(f"  nanoserve runs in {engine.config.dtype} (--dtype {dtype})", flush=True)
 
     def embed(texts: list[str]) -> list[list[float]]:
         for i, text in enumerate(texts):
@@ -142,15 +145,16 @@ def bench_model(name: str, layers: int, args: argparse.Namespace, tmp: Path) -> 
     model = write_model(name, tmp / name, layers)
     texts = make_texts(model, args.texts, args.min_tokens, args.max_tokens, args.seed)
     pre = "bert-bge" if name == "bert-base" else "qwen2"  # of the random vocabularies
-    ggufs = {t: convert(model, tmp / f"{name}-{t}.gguf", t, pre) for t in ("f32", "f16")}
+    kinds = ("f32", "f16") if not args.skip_llamacpp or args.nanoserve_reads != "hf" else ()
+    ggufs = {t: convert(model, tmp / f"{name}-{t}.gguf", t, pre) for t in kinds}
     reads = model if args.nanoserve_reads == "hf" else ggufs[args.nanoserve_reads[5:]]
     engines = {
-        f"nanoserve ({args.nanoserve_reads}, {args.dtype})": lambda: run_nanoserve(reads,
-                                                                                   args.dtype),
-        "sentence-transformers": lambda: run_sentence_transformers(model),
-        "llama.cpp f32": lambda: run_llamacpp(ggufs["f32"], model, args.threads),
-        "llama.cpp f16": lambda: run_llamacpp(ggufs["f16"], model, args.threads),
+        f"nanoserve ({args.nanoserve_reads}, {args.dtype})": partial(run_nanoserve, reads,
+                                                                     args.dtype),
+        "sentence-transformers": partial(run_sentence_transformers, model),
     }  # fmt: skip
+    for t in () if args.skip_llamacpp else ("f32", "f16"):
+        engines[f"llama.cpp {t}"] = partial(run_llamacpp, ggufs[t], model, args.threads)
     tokens = sum(len(ids) for ids in _token_ids(model, texts))
     row: dict = {"model": name, "layers": layers, "full_layers": FULL_LAYERS[name],
                  "texts": len(texts), "tokens": tokens, "engines": {}}  # fmt: skip
@@ -198,6 +202,7 @@ def main() -> None:
     parser.add_argument("--qwen3-layers", type=int, default=28)
     parser.add_argument("--models", default="bert-base,qwen3-embedding-0.6b")
     parser.add_argument("--dtype", default="auto", help="nanoserve's (float32 or bfloat16)")
+    parser.add_argument("--skip-llamacpp", action="store_true")
     reads = ["hf", "gguf-f32", "gguf-f16"]  # the HF directory, or llama.cpp's file
     parser.add_argument("--nanoserve-reads", default="hf", choices=reads, help="what it loads")
     args = parser.parse_args()

@@ -1,11 +1,16 @@
-"""A mixture of experts with Qwen3-30B-A3B's layer shapes, nanoserve and llama.cpp on the same
-Q4_K_M file, side by side in one run, on the machine it runs on.
+"""A mixture of experts with Qwen3-30B-A3B's or gpt-oss-20b's layer shapes, nanoserve and
+llama.cpp on the same file, side by side in one run, on the machine it runs on.
 
-The file: a random Qwen3-MoE written by transformers (bfloat16) with Qwen3-30B-A3B's layer shapes
-(hidden 2048, 32 query and 4 KV heads of 128, 128 experts of 768, top 8, norm_topk_prob; 2
-layers; SmolLM2's vocabulary of 49152, which llama.cpp's converter knows, tied embeddings),
-converted to F16 by llama.cpp's converter and quantized to Q4_K_M by its quantizer. It is kept
-under the cache directory (NANOSERVE_CACHE/bench/moe-a3b), so a rerun skips the ~3 GB checkpoint.
+The files (--family), each random, written by transformers (bfloat16) with 2 layers and SmolLM2's
+vocabulary of 49152 (which llama.cpp's converter knows), converted to F16 by llama.cpp's converter
+and quantized by its quantizer:
+- qwen3moe: Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query and 4 KV heads of 128, 128
+  experts of 768, top 8, norm_topk_prob; tied embeddings), Q4_K_M;
+- gpt-oss: gpt-oss-20b's (hidden 2880, 64 query and 8 KV heads of 64, 32 experts of 2880, top 4,
+  sliding and full layers, attention sinks, YaRN, biases), MXFP4_MOE (experts in MXFP4, the
+  rest Q8_0), as gpt-oss ships.
+Each is kept under the cache directory (NANOSERVE_CACHE/bench/moe-a3b, moe-gpt-oss-20b), so a
+rerun skips the checkpoint.
 
 Cases, as bench_context.py runs them (its engines' settings, both greedy, EOS ignored), the
 best of --rounds rounds of them on each engine, nanoserve's rounds then llama.cpp's:
@@ -18,9 +23,10 @@ weight bytes against the file's tensor bytes, and the weight bytes one decode st
 dense matrix, the router and the output projection, plus only the chosen experts' blocks: top 8
 of 128 per layer for one stream, for 8 sequences the union the router chose, counted from its
 routing in the 8-sequence run) against the measured read bandwidth: bytes / bandwidth is the
-step's floor. Results: bench/results/moe_llamacpp.json.
+step's floor. Results: bench/results/moe_llamacpp.json (qwen3moe), moe_llamacpp_gpt_oss.json.
 
-    python -m bench.bench_moe_llamacpp [--rounds 3] [--skip-llamacpp] [--per-expert]
+    python -m bench.bench_moe_llamacpp [--family qwen3moe|gpt-oss] [--rounds 3]
+                                       [--skip-llamacpp] [--per-expert]
 
 --per-expert also runs nanoserve's rounds again on the same engine with its experts' matmuls one
 C call per chosen expert (sparse_moe's one_call=False, the path before kernels.expert_linear), so
@@ -33,6 +39,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -47,20 +54,65 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.env import cache_dir
 from nanoserve.kernels import QuantizedWeight
-from nanoserve.model import llama, moe
+from nanoserve.model import gpt_oss, llama, moe
 from nanoserve.testing.llamacpp_convert import convert, fetch, quantize
 
 RESULTS = Path(__file__).parent / "results"
 CASES = ["short", "8x short", "pp512"]  # bench_context.CASES' names
-SHAPES = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-              num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8,
-              norm_topk_prob=True, num_hidden_layers=2, intermediate_size=6144)  # fmt: skip
+QWEN3_A3B = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 num_experts=128, moe_intermediate_size=768, num_experts_per_tok=8,
+                 norm_topk_prob=True, num_hidden_layers=2, intermediate_size=6144,
+                 tie_word_embeddings=True, rope_theta=1e6)  # fmt: skip
+GPT_OSS_20B = dict(hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                   num_local_experts=32, intermediate_size=2880, num_experts_per_tok=4,
+                   num_hidden_layers=2, sliding_window=128,
+                   layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                    "original_max_position_embeddings": 4096})  # fmt: skip
 
 
-def a3b_file() -> Path:
-    """The Q4_K_M file, made once under the cache directory."""
-    folder = cache_dir() / "bench" / "moe-a3b"
-    out = folder / "Q4_K_M.gguf"
+@dataclass(frozen=True)
+class Family:
+    """A benchmark file: its config class and shapes, the quantization, the cache folder, the
+    module whose `route` chooses its experts (counted in union_of_experts), the results file."""
+
+    name: str
+    config: type
+    shapes: dict
+    quant: str
+    folder: str
+    router: object
+    results: str
+    about: str
+
+    @property
+    def layers(self) -> int:
+        return self.shapes["num_hidden_layers"]
+
+    @property
+    def top_k(self) -> int:
+        return self.shapes["num_experts_per_tok"]
+
+    @property
+    def experts(self) -> int:
+        return self.shapes.get("num_experts") or self.shapes["num_local_experts"]
+
+
+FAMILIES = {
+    "qwen3moe": Family("qwen3moe", transformers.Qwen3MoeConfig, QWEN3_A3B, "Q4_K_M", "moe-a3b",
+                       moe, "moe_llamacpp.json", "random Qwen3-MoE, Qwen3-30B-A3B's layer "
+                       "shapes, 2 layers, vocab 49152, Q4_K_M"),
+    "gpt-oss": Family("gpt-oss", transformers.GptOssConfig, GPT_OSS_20B, "MXFP4_MOE",
+                      "moe-gpt-oss-20b", gpt_oss, "moe_llamacpp_gpt_oss.json", "random gpt-oss, "
+                      "gpt-oss-20b's layer shapes, 2 layers, vocab 49152, MXFP4_MOE"),
+}  # fmt: skip
+
+
+def family_file(family: Family) -> Path:
+    """The family's file, made once under the cache directory."""
+    folder = cache_dir() / "bench" / family.folder
+    out = folder / f"{family.quant}.gguf"
     if out.is_file():
         return out
     from nanoserve.default_model import default_model_path
@@ -69,9 +121,9 @@ def a3b_file() -> Path:
     fetch()
     vocab = GGUFCheckpoint(default_model_path()).tokenizer()
     model_dir = folder / "hf"
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=vocab.vocab_size, tie_word_embeddings=True, max_position_embeddings=4096,
-        rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **SHAPES,
+    config = family.config(
+        vocab_size=vocab.vocab_size, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, **family.shapes,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(
@@ -82,7 +134,8 @@ def a3b_file() -> Path:
                "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
     (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
     f16 = convert(model_dir, folder / "F16.gguf", "f16")
-    partial = quantize(f16, folder / "Q4_K_M.partial", "Q4_K_M", torch.get_num_threads())
+    partial = quantize(f16, folder / f"{family.quant}.partial", family.quant,
+                       torch.get_num_threads())  # fmt: skip
     f16.unlink()  # the checkpoint and F16 file are not needed again
     for f in model_dir.iterdir():
         f.unlink()
@@ -120,23 +173,23 @@ def weight_bytes(engine: Engine) -> tuple[int, int, int]:
     return sum(seen.values()), dense, expert // len(w.layers)
 
 
-def union_of_experts(engine: Engine, vocab: int) -> float:
+def union_of_experts(engine: Engine, vocab: int, router) -> float:
     """The mean count of distinct experts a layer's 8-token decode step chose, from the routing
-    of an 8-sequence run (untimed)."""
+    (`router`'s route) of an 8-sequence run (untimed)."""
     counts: list[int] = []
-    route = moe.route
+    route = router.route
 
-    def counting(logits: torch.Tensor, top_k: int, normalize: bool):
-        weights, experts = route(logits, top_k, normalize)
+    def counting(logits: torch.Tensor, *args):
+        weights, experts = route(logits, *args)
         if logits.shape[0] == 8:
             counts.append(int(experts.unique().numel()))
         return weights, experts
 
-    moe.route = counting
+    router.route = counting
     try:
         nanoserve_case(engine, prompts(8, 32, vocab, 7), 16)
     finally:
-        moe.route = route
+        router.route = route
     return sum(counts) / len(counts)
 
 
@@ -212,7 +265,7 @@ def per_expert(engine: Engine, vocab: int, rounds: int) -> dict:
 
 
 def side_by_side(
-    path: Path, vocab: int, threads: int, rounds: int, skip: bool, old: bool = False
+    path: Path, vocab: int, threads: int, rounds: int, skip: bool, router, old: bool = False
 ) -> dict:
     """nanoserve's figures, weight bytes and routing, then llama.cpp's figures, one engine loaded
     at a time: with both loaded in one process and alternating, nanoserve ran at a third of its
@@ -226,7 +279,7 @@ def side_by_side(
         ours["per_expert"] = per_expert(engine, vocab, rounds)
     resident, dense, expert = weight_bytes(engine)
     ours |= {"resident": resident, "dense_step_bytes": dense, "expert_bytes": expert,
-             "experts_chosen_8x": union_of_experts(engine, vocab)}  # fmt: skip
+             "experts_chosen_8x": union_of_experts(engine, vocab, router)}  # fmt: skip
     engine.close()
     if skip:
         return {"nanoserve": ours, "llamacpp": {}}
@@ -239,6 +292,7 @@ def side_by_side(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="qwen3moe", choices=sorted(FAMILIES))
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-expert", action="store_true", help="also the per-expert calls")
@@ -246,17 +300,19 @@ def main() -> None:
     info = machine() | {"bandwidth_gb_s": read_bandwidth(), "load_average": os.getloadavg()}
     print(json.dumps(info), flush=True)
     start = time.perf_counter()
-    path = a3b_file()
+    family = FAMILIES[args.family]
+    path = family_file(family)
     print(f"file: {path} ({time.perf_counter() - start:.0f} s)", flush=True)
     reader = gguf.GGUFReader(path)
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     formats = sorted({f"{t.name.split('.', 2)[-1]}: {t.tensor_type.name}" for t in reader.tensors})
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     both = side_by_side(
-        path, vocab, info["threads"], args.rounds, args.skip_llamacpp, args.per_expert
-    )
+        path, vocab, info["threads"], args.rounds, args.skip_llamacpp, family.router,
+        args.per_expert,
+    )  # fmt: skip
     ns, lc = both["nanoserve"], both["llamacpp"]
-    layers, top_k = SHAPES["num_hidden_layers"], SHAPES["num_experts_per_tok"]
+    layers, top_k = family.layers, family.top_k
     step = {
         "1 stream": ns["dense_step_bytes"] + layers * top_k * ns["expert_bytes"],
         "8 sequences": ns["dense_step_bytes"]
@@ -264,14 +320,14 @@ def main() -> None:
     }
     floor_ms = {k: v / (info["bandwidth_gb_s"] * 1e9) * 1e3 for k, v in step.items()}
     result = info | {
-        "file": "random Qwen3-MoE, Qwen3-30B-A3B's layer shapes, 2 layers, vocab 49152, Q4_K_M",
+        "file": family.about,
         "file_bytes": file_bytes, "formats": formats, "nanoserve": ns, "llamacpp": lc,
         "resident_over_file": ns["resident"] / file_bytes, "step_bytes": step,
         "step_floor_ms": floor_ms,
     }  # fmt: skip
     print(f"file {file_bytes / 2**20:.1f} MiB, resident {ns['resident'] / 2**20:.1f} MiB "
           f"({ns['resident'] / file_bytes:.3f}x); experts chosen by 8 tokens a layer: "
-          f"{ns['experts_chosen_8x']:.1f} of 128")  # fmt: skip
+          f"{ns['experts_chosen_8x']:.1f} of {family.experts}")  # fmt: skip
     for case, (label, key) in zip(CASES, [("1 stream", "1 stream"), ("8 sequences", "8 sequences"),
                                           ("pp512", None)], strict=True):  # fmt: skip
         theirs = f"llama.cpp {lc[case]:8.1f}   {ns[case] / lc[case]:5.2f}x" if case in lc else ""
@@ -284,7 +340,7 @@ def main() -> None:
                   f"{ns[case] / old:5.2f}x", flush=True)  # fmt: skip
     print(f"load average after: {os.getloadavg()}", flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moe_llamacpp.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / family.results).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

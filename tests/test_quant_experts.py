@@ -8,6 +8,7 @@ from test_quant_kernels import _kquant_weight, _weight, isa  # noqa: F401 (isa: 
 
 from nanoserve import kernels
 from nanoserve.kernels import QuantizedWeight
+from nanoserve.model import gpt_oss
 from nanoserve.model.moe import Experts, sparse_moe
 
 EXPERTS = 5
@@ -97,6 +98,29 @@ def test_sparse_moe_in_one_call_is_bitwise_the_per_expert_calls(dtype):
     x = torch.randn(7, 64, generator=gen).to(dtype)
     ours, theirs = (
         sparse_moe(x, lambda h: h @ router.T, gate, up, down, 3, True, False, one_call)
+        for one_call in (True, False)
+    )
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("up_format", ["mxfp4", "q8_0"])
+def test_gpt_oss_experts_in_one_call_are_bitwise_the_per_expert_calls(dtype, up_format):
+    """gpt-oss's biased experts and clamped SwiGLU through expert_linear against one call per
+    expert, with gate and up in one call (both MXFP4) or in two (up in another format): hidden
+    64, experts of 96, 7 tokens, top 3."""
+    gen = torch.Generator().manual_seed(6)
+
+    def experts(rows: int, columns: int, qtype: str = "mxfp4") -> Experts:
+        w = torch.randn(EXPERTS * rows, columns, generator=gen)
+        return Experts(kernels.quantize(w, qtype), EXPERTS)
+
+    projections = (experts(96, 64), experts(96, 64, up_format), experts(64, 96))
+    biases = tuple(torch.randn(EXPERTS, n, generator=gen).to(dtype) for n in (96, 96, 64))
+    logits = torch.randn(7, EXPERTS, generator=gen).to(dtype)
+    x = torch.randn(7, 64, generator=gen).to(dtype)
+    ours, theirs = (
+        gpt_oss.experts_moe(x, logits, projections, biases, 3, 1.702, 7.0, one_call)
         for one_call in (True, False)
     )
     assert torch.equal(ours, theirs)

@@ -7,11 +7,12 @@ clamped SwiGLU). Its attention sinks are the kernels' (`sinks=` of the paged att
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
 
-from nanoserve.model.moe import Experts
+from nanoserve.model.moe import Experts, by_expert, down_of, gate_up, in_blocks
 
 Split = Callable[[torch.Tensor], torch.Tensor]
 
@@ -106,20 +107,40 @@ def experts_moe(
     top_k: int,
     alpha: float,
     limit: float,
+    one_call: bool = True,
 ) -> torch.Tensor:
     """The block's output [tokens, hidden] for x and its router logits (bias added): each chosen
     expert's biased gate and up, the clamped SwiGLU, the biased down, times the token's weight,
-    added up expert after expert (transformers' order)."""
+    added up expert after expert (transformers' order). Experts in blocks (a GGUF file's) take
+    one C call per projection for all the chosen experts, as moe.sparse_moe's (`one_call`
+    False: one per expert; the same outputs, bitwise)."""
     gate, up, down = projections
     gate_bias, up_bias, down_bias = biases
     weights, experts = route(logits, top_k)
+    order, tokens, counts = by_expert(experts, gate.num_experts)
+    pair_weights = weights.flatten()[order].unsqueeze(-1)
+    chosen = experts.flatten()[order]  # each pair's expert
     out = torch.zeros_like(x)
-    for expert in torch.unique(experts).tolist():
-        tokens, slot = torch.where(experts == expert)
-        xs = x[tokens]
+    if one_call and in_blocks(gate, up, down):
+        g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts)
+        h = clamped_swiglu(g + gate_bias[chosen], u + up_bias[chosen], alpha, limit)
+        y = (down_of(h.float().contiguous(), down, counts) + down_bias[chosen]) * pair_weights
+        if x.dtype == torch.float32:
+            return out.index_add_(0, tokens, y)
+        for start, n in zip(itertools.accumulate(counts, initial=0), counts, strict=False):
+            if n:  # rounded after each expert, as transformers does in 16 bits
+                out.index_add_(0, tokens[start : start + n], y[start : start + n].to(x.dtype))
+        return out
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        xs = x[rows]
         h = clamped_swiglu(
             gate(expert, xs) + gate_bias[expert], up(expert, xs) + up_bias[expert], alpha, limit
         )
-        y = (down(expert, h) + down_bias[expert]) * weights[tokens, slot, None]
-        out.index_add_(0, tokens, y.to(x.dtype))
+        y = (down(expert, h) + down_bias[expert]) * pair_weights[start : start + n]
+        out.index_add_(0, rows, y.to(x.dtype))
+        start += n
     return out

@@ -96,15 +96,13 @@ def sparse_moe(
     weights, experts = route(logits, top_k, normalize)
     if not weights_in_float32:
         weights = weights.to(logits.dtype)
-    # The token-expert pairs sorted by expert (stable: each expert's tokens in their order).
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate.num_experts).tolist()
-    tokens = order // top_k
+    order, tokens, counts = by_expert(experts, gate.num_experts)
     pair_weights = weights.flatten()[order].unsqueeze(-1)
     out = torch.zeros_like(x)
-    if one_call and all(isinstance(m.weight, QuantizedWeight) for m in (gate, up, down)):
-        y = (_in_blocks(x, gate, up, down, tokens, counts).to(x.dtype) * pair_weights).to(x.dtype)
+    if one_call and in_blocks(gate, up, down):
+        g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts)
+        h = (F.silu(g) * u).to(x.dtype).float().contiguous()
+        y = (down_of(h, down, counts).to(x.dtype) * pair_weights).to(x.dtype)
         if x.dtype == torch.float32:
             return out.index_add_(0, tokens, y)
         # In 16 bits one index_add_ would sum a token's experts in float32 and round once;
@@ -126,23 +124,51 @@ def sparse_moe(
     return out
 
 
-def _in_blocks(
-    x: torch.Tensor,
-    gate: Experts,
-    up: Experts,
-    down: Experts,
-    tokens: torch.Tensor,
-    counts: list[int],
-) -> torch.Tensor:
-    """The chosen experts' outputs [pairs, hidden] float32 for the token-expert pairs sorted by
-    expert (pair p is token tokens[p]'s, counts[e] pairs expert e's), as Experts.__call__ gives
-    them expert after expert: gate and up in one call, SiLU * up rounded to x's dtype, down."""
+def by_expert(
+    experts: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The token-expert pairs of experts [tokens, top_k] sorted by expert (stable: each expert's
+    tokens in their order): (order, the pairs' indices into experts.flatten(); tokens, their
+    tokens; counts, the pairs of each expert)."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, order // experts.shape[1], counts
+
+
+def in_blocks(*projections: Experts) -> bool:
+    """Whether every projection is in blocks: one C call each for all the chosen experts."""
+    return all(isinstance(m.weight, QuantizedWeight) for m in projections)
+
+
+def _groups(counts: list[int]) -> torch.Tensor:
+    """expert_linear's groups [G, 3]: (expert, first pair, pairs) of each chosen expert."""
     starts = itertools.accumulate(counts, initial=0)
-    groups = torch.tensor(
+    return torch.tensor(
         [(e, start, n) for e, (start, n) in enumerate(zip(starts, counts, strict=False)) if n],
         dtype=torch.int64,
     ).reshape(-1, 3)
-    xf = x.float().contiguous()
-    g, u = expert_linear(xf, [gate.weight, up.weight], gate.num_experts, groups, tokens)
-    h = (F.silu(g) * u).to(x.dtype).float().contiguous()
-    return expert_linear(h, [down.weight], down.num_experts, groups)[0]
+
+
+def gate_up(
+    x: torch.Tensor, gate: Experts, up: Experts, tokens: torch.Tensor, counts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen experts' gate and up outputs [pairs, rows] float32 for x [tokens, hidden]
+    float32 and the pairs sorted by expert (pair p is token tokens[p]'s, counts[e] pairs expert
+    e's), as Experts.__call__ gives them expert after expert: one C call where the two share a
+    format, else one each."""
+    groups = _groups(counts)
+    g, u = gate.weight, up.weight
+    assert isinstance(g, QuantizedWeight) and isinstance(u, QuantizedWeight)
+    if g.qtype == u.qtype and g.shape == u.shape:
+        out_g, out_u = expert_linear(x, [g, u], gate.num_experts, groups, tokens)
+        return out_g, out_u
+    out_g = expert_linear(x, [g], gate.num_experts, groups, tokens)[0]
+    return out_g, expert_linear(x, [u], up.num_experts, groups, tokens)[0]
+
+
+def down_of(h: torch.Tensor, down: Experts, counts: list[int]) -> torch.Tensor:
+    """The chosen experts' down outputs [pairs, hidden] float32 for h [pairs, rows] float32,
+    pair by pair as gate_up's."""
+    assert isinstance(down.weight, QuantizedWeight)
+    return expert_linear(h, [down.weight], down.num_experts, _groups(counts))[0]
