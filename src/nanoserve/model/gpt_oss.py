@@ -7,12 +7,19 @@ clamped SwiGLU). Its attention sinks are the kernels' (`sinks=` of the paged att
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
 
-from nanoserve.model.moe import Experts, by_expert, down_of, gate_up, in_blocks
+from nanoserve.model.moe import (
+    Experts,
+    add_up,
+    by_expert,
+    down_of,
+    each_expert,
+    gate_up,
+    in_blocks,
+)
 
 Split = Callable[[torch.Tensor], torch.Tensor]
 
@@ -125,22 +132,13 @@ def experts_moe(
         g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts)
         h = clamped_swiglu(g + gate_bias[chosen], u + up_bias[chosen], alpha, limit)
         y = (down_of(h.float().contiguous(), down, counts) + down_bias[chosen]) * pair_weights
-        if x.dtype == torch.float32:
-            return out.index_add_(0, tokens, y)
-        for start, n in zip(itertools.accumulate(counts, initial=0), counts, strict=False):
-            if n:  # rounded after each expert, as transformers does in 16 bits
-                out.index_add_(0, tokens[start : start + n], y[start : start + n].to(x.dtype))
-        return out
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start : start + n]
+        return add_up(out, y, tokens, counts)
+    for expert, pairs in each_expert(counts):
+        rows = tokens[pairs]
         xs = x[rows]
         h = clamped_swiglu(
             gate(expert, xs) + gate_bias[expert], up(expert, xs) + up_bias[expert], alpha, limit
         )
-        y = (down(expert, h) + down_bias[expert]) * pair_weights[start : start + n]
+        y = (down(expert, h) + down_bias[expert]) * pair_weights[pairs]
         out.index_add_(0, rows, y.to(x.dtype))
-        start += n
     return out

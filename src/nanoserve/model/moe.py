@@ -16,8 +16,7 @@ Owns nothing.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -103,24 +102,13 @@ def sparse_moe(
         g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts)
         h = (F.silu(g) * u).to(x.dtype).float().contiguous()
         y = (down_of(h, down, counts).to(x.dtype) * pair_weights).to(x.dtype)
-        if x.dtype == torch.float32:
-            return out.index_add_(0, tokens, y)
-        # In 16 bits one index_add_ would sum a token's experts in float32 and round once;
-        # transformers rounds after each expert.
-        for start, n in zip(itertools.accumulate(counts, initial=0), counts, strict=False):
-            if n:
-                out.index_add_(0, tokens[start : start + n], y[start : start + n])
-        return out
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start : start + n]
+        return add_up(out, y, tokens, counts)
+    for expert, pairs in each_expert(counts):
+        rows = tokens[pairs]
         xs = x[rows]
         h = F.silu(gate(expert, xs)) * up(expert, xs)
-        y = down(expert, h.to(x.dtype)).to(x.dtype) * pair_weights[start : start + n]
+        y = down(expert, h.to(x.dtype)).to(x.dtype) * pair_weights[pairs]
         out.index_add_(0, rows, y.to(x.dtype))
-        start += n
     return out
 
 
@@ -136,6 +124,26 @@ def by_expert(
     return order, order // experts.shape[1], counts
 
 
+def each_expert(counts: list[int]) -> Iterator[tuple[int, slice]]:
+    """(expert, its pairs) of each chosen expert, for pairs sorted by expert (by_expert)."""
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            yield expert, slice(start, start + n)
+        start += n
+
+
+def add_up(out: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor, counts: list[int]):
+    """out with each pair's y [pairs, hidden] added at its token, expert after expert: one
+    index_add_ in float32; in 16 bits rounded after each expert, as transformers does (one
+    index_add_ would sum a token's experts in float32 and round once)."""
+    if out.dtype == torch.float32:
+        return out.index_add_(0, tokens, y.float())
+    for _, pairs in each_expert(counts):
+        out.index_add_(0, tokens[pairs], y[pairs].to(out.dtype))
+    return out
+
+
 def in_blocks(*projections: Experts) -> bool:
     """Whether every projection is in blocks: one C call each for all the chosen experts."""
     return all(isinstance(m.weight, QuantizedWeight) for m in projections)
@@ -143,11 +151,8 @@ def in_blocks(*projections: Experts) -> bool:
 
 def _groups(counts: list[int]) -> torch.Tensor:
     """expert_linear's groups [G, 3]: (expert, first pair, pairs) of each chosen expert."""
-    starts = itertools.accumulate(counts, initial=0)
-    return torch.tensor(
-        [(e, start, n) for e, (start, n) in enumerate(zip(starts, counts, strict=False)) if n],
-        dtype=torch.int64,
-    ).reshape(-1, 3)
+    groups = [(e, pairs.start, pairs.stop - pairs.start) for e, pairs in each_expert(counts)]
+    return torch.tensor(groups, dtype=torch.int64).reshape(-1, 3)
 
 
 def gate_up(
