@@ -14,11 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_families import POOL, _reference, check_prompt_logprobs
 from test_kernels import make_case as decode_case
-from test_oracle import _ours, _prompts
+from test_oracle import MAX_TOKENS, _ours, _prompts
 from test_prefill_attention import _floats
 from test_prefill_attention import make_case as prefill_case
 
 import nanoserve.kernels as kernels
+from nanoserve import LLM, SamplingParams
 from nanoserve.model.config import CheckpointError, ModelConfig
 from nanoserve.testing.hf_families import write_family_checkpoint
 
@@ -65,6 +66,15 @@ def test_greedy_equals_transformers(gpt_oss_dir, engine_args):
     if engine_args:
         assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
     assert ours == _reference(gpt_oss_dir, prompts)
+
+
+def test_two_ranks_equal_transformers(gpt_oss_dir):
+    """Each rank keeps half the heads (and their sinks) and half the experts (and their biases)."""
+    prompts = _prompts(500)[:3]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(gpt_oss_dir), tensor_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _reference(gpt_oss_dir, prompts)
 
 
 def test_prompt_logprobs_equal_transformers(gpt_oss_dir):

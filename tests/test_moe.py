@@ -1,8 +1,8 @@
 """Mixtures of experts (model/moe.py): random Qwen3-MoE and Mixtral checkpoints written by
 transformers give its greedy ids (with prefix caching, chunked prefill and preemption) and its
-prompt logprobs, also where two experts tie for a token's last place; what this tranche leaves
-out (dense layers among sparse ones, tensor parallelism, the one-call C step) is refused by name
-or falls back."""
+prompt logprobs, also where two experts tie for a token's last place, and at two ranks, each
+keeping half the experts; what this tranche leaves out (dense layers among sparse ones, the
+one-call C step) is refused by name or falls back."""
 
 import json
 
@@ -10,10 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_families import POOL, _reference, check_prompt_logprobs
-from test_oracle import _ours, _prompts
+from test_oracle import MAX_TOKENS, _ours, _prompts
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import SettingError
 from nanoserve.model.config import CheckpointError
 from nanoserve.testing.hf_families import write_family_checkpoint
 
@@ -147,9 +146,15 @@ def test_training_only_keys_are_ignored(moe_dir, tmp_path):
     assert _ours(model_dir, prompts)[0] == _reference(model_dir, prompts)
 
 
-def test_tensor_parallelism_is_refused_by_name(moe_dir):
-    with pytest.raises(SettingError, match="tensor_parallel_size .*8 experts"):
-        LLM(str(moe_dir("qwen3_moe")), tensor_parallel_size=2)
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_two_ranks_each_keeping_half_the_experts_equal_transformers(moe_dir, name):
+    """Expert parallelism: each rank keeps half the experts whole, runs the chosen ones it has,
+    and the block's output is all-reduced."""
+    model_dir, prompts = moe_dir(name), _prompts(500)[:3]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(model_dir), tensor_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _reference(model_dir, prompts)
 
 
 def test_batch_one_decodes_layer_by_layer(moe_dir, caplog):
@@ -227,6 +232,17 @@ def test_a_gguf_written_by_llama_cpp_equals_transformers(converted, name):
         8 if name == "qwen3moe" else 4,
     )
     _, ours = _greedy(path)
+    assert ours == [r[:16] for r in _reference(model_dir, GGUF_PROMPTS)]
+
+
+def test_a_gguf_at_two_ranks_equals_transformers(converted):
+    """llama.cpp's F32 Qwen3-MoE file split two ways: each rank reads its half of the stacked
+    experts tensors."""
+    model_dir, path = converted("qwen3moe")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(path), tensor_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in GGUF_PROMPTS], params, use_tqdm=False)
+    ours = [list(o.outputs[0].token_ids) for o in outs]
     assert ours == [r[:16] for r in _reference(model_dir, GGUF_PROMPTS)]
 
 

@@ -161,7 +161,12 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_in_one_line(tiny_model
         check_divisible(_config(num_kv_heads=2), 4)
     assert str(e.value) == (
         "tensor_parallel_size 4 must divide the model's num_kv_heads (num_heads 8, num_kv_heads 2, "
-        "intermediate_size 96): each rank keeps whole heads"
+        "intermediate_size 96): each rank keeps whole heads and whole experts"
+    )
+    with pytest.raises(ValueError, match=r"divide the model's num_experts \(.*num_experts 6\)"):
+        check_divisible(_config(num_experts=6, experts_per_token=2, expert_size=32), 4)
+    check_divisible(
+        _config(num_experts=8, experts_per_token=2, expert_size=32, intermediate_size=6), 4
     )
     model_dir = tiny_model_factory()  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide") as e:

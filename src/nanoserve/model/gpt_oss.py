@@ -124,21 +124,21 @@ def experts_moe(
     gate, up, down = projections
     gate_bias, up_bias, down_bias = biases
     weights, experts = route(logits, top_k)
-    order, tokens, counts = by_expert(experts, gate.num_experts)
+    order, tokens, counts = by_expert(experts, logits.shape[-1])
     pair_weights = weights.flatten()[order].unsqueeze(-1)
     chosen = experts.flatten()[order]  # each pair's expert
     out = torch.zeros_like(x)
-    if one_call and in_blocks(gate, up, down):
+    if one_call and in_blocks(logits.shape[-1], gate, up, down):
         g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts)
         h = clamped_swiglu(g + gate_bias[chosen], u + up_bias[chosen], alpha, limit)
         y = (down_of(h.float().contiguous(), down, counts) + down_bias[chosen]) * pair_weights
         return add_up(out, y, tokens, counts)
-    for expert, pairs in each_expert(counts):
-        rows = tokens[pairs]
+    for expert, pairs in each_expert(counts, gate.held):
+        rows, e = tokens[pairs], expert - gate.held.start  # its row of the biases
         xs = x[rows]
         h = clamped_swiglu(
-            gate(expert, xs) + gate_bias[expert], up(expert, xs) + up_bias[expert], alpha, limit
+            gate(expert, xs) + gate_bias[e], up(expert, xs) + up_bias[e], alpha, limit
         )
-        y = (down(expert, h) + down_bias[expert]) * pair_weights[pairs]
+        y = (down(expert, h) + down_bias[e]) * pair_weights[pairs]
         out.index_add_(0, rows, y.to(x.dtype))
     return out

@@ -99,20 +99,20 @@ class Llama:
         return h
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP of x, or the mixture of experts in its place (model/moe.py; in one
-        process: tensor parallelism refuses an MoE model)."""
+        """The gated MLP of x, or the mixture of experts in its place (model/moe.py; under tensor
+        parallelism each rank's experts' share, all-reduced)."""
         c = self.config
         if c.gpt_oss:
-            return self._gpt_oss_moe(layer, x)
+            return self.parallel.all_reduce(self._gpt_oss_moe(layer, x))
         if layer.router is not None:
             assert layer.experts_gate and layer.experts_up and layer.experts_down
             # Mixtral's routing weights stay float32 (transformers'; llama.cpp's too), a GGUF
             # Mixtral's (architecture llama, with experts) as well as a Hugging Face one's.
             mixtral = c.family in ("mixtral", "llama")
-            return sparse_moe(
+            return self.parallel.all_reduce(sparse_moe(
                 x, layer.router, layer.experts_gate, layer.experts_up, layer.experts_down,
                 c.experts_per_token, c.norm_topk_prob, weights_in_float32=mixtral,
-            )  # fmt: skip
+            ))  # fmt: skip
         assert layer.gate_up is not None and layer.down is not None, "a dense layer has its MLP"
         gate_up = _biased(layer.gate_up(x), layer.gate_up_bias)
         gated = gated_mul(gate_up, c.activation)  # the one-call C step's bits on a CPU

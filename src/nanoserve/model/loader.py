@@ -25,7 +25,7 @@ from nanoserve.model import gpt_oss
 from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
 from nanoserve.model.moe import Experts
-from nanoserve.model.parallel import SINGLE, Parallel, shard
+from nanoserve.model.parallel import SINGLE, Parallel, held_experts, shard
 from nanoserve.model.quantized import Blocks, QuantLinear, Weight, cat_rows, placed
 from nanoserve.model.weights import (
     LAYER,
@@ -54,7 +54,7 @@ def load_weights(
     tensors = shard(fuse(raw, config), config, parallel)
     if place is not None:
         tensors = placed(tensors, place)
-    return pack(tensors, config)
+    return pack(tensors, config, parallel)
 
 
 def read_checkpoint(
@@ -238,27 +238,29 @@ def _check_shapes(keys: list[str], parts: list[Weight], shapes: list[tuple[int, 
             )
 
 
-def pack(tensors: list[Weight], config: ModelConfig) -> LlamaWeights:
-    """The flat list from `fuse` as LlamaWeights: every matrix a Linear (or QuantLinear), an
-    embedding as it is, a norm's weight or a bias a float tensor; an option the config's model
-    has not stays None."""
+def pack(tensors: list[Weight], config: ModelConfig, parallel: Parallel = SINGLE) -> LlamaWeights:
+    """The flat list from `fuse` (cut to `parallel`'s rank) as LlamaWeights: every matrix a
+    Linear (or QuantLinear), experts the rank's Experts, an embedding as it is, a norm's weight
+    or a bias a float tensor; an option the config's model has not stays None."""
+    held = held_experts(config.num_experts, parallel.rank, parallel.size)
     it = iter(tensors)
-    own = {name: _kept(t.kind, next(it), config) for name, t in MODEL}
+    own = {name: _kept(t.kind, next(it), held) for name, t in MODEL}
     present = [name for name, t in LAYER if t.present(config)]
     kinds = dict((name, t.kind) for name, t in LAYER)
     layers = [
-        LayerWeights(**{name: _kept(kinds[name], next(it), config) for name in present})
+        LayerWeights(**{name: _kept(kinds[name], next(it), held) for name in present})
         for _ in range(config.num_layers)
     ]
     return LlamaWeights(**own, layers=layers)
 
 
-def _kept(kind: str, w: Weight, config: ModelConfig) -> Any:
-    """w as LlamaWeights and LayerWeights keep a tensor of `kind` (model/weights.py)."""
+def _kept(kind: str, w: Weight, held: range) -> Any:
+    """w as LlamaWeights and LayerWeights keep a tensor of `kind` (model/weights.py); experts
+    tensors hold the experts `held`."""
     if kind == "matrix":
         return QuantLinear(w) if isinstance(w, Blocks) else Linear(w)
     if kind == "experts":
         assert not isinstance(w, QuantizedParts), "one experts tensor is in one format"
-        return Experts(w, config.num_experts)
+        return Experts(w, held)
     assert kind == "embedding" or isinstance(w, torch.Tensor), "vectors are never quantized"
     return w

@@ -32,11 +32,13 @@ from nanoserve.kernels import (
 
 class Experts:
     """One matrix per expert: a float tensor [experts, rows, columns], or GGUF blocks of
-    [experts * rows, columns] (llama.cpp's 3-D tensor, expert after expert)."""
+    [experts * rows, columns] (llama.cpp's 3-D tensor, expert after expert). `experts`: how many,
+    or which of the model's (a range: a tensor-parallel rank's, model/parallel.py)."""
 
-    def __init__(self, weight: torch.Tensor | QuantizedWeight, num_experts: int) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, experts: int | range) -> None:
         self.weight = weight
-        self.num_experts = num_experts
+        self.held = experts if isinstance(experts, range) else range(experts)
+        num_experts = self.num_experts = len(self.held)
         self.each: list[torch.Tensor] | list[QuantizedWeight]
         # Floats on a CPU: the C GEMV for up to 4 rows (memory speed, and each row's result
         # independent of the others': a speculative verification's rows stay one-token steps).
@@ -49,8 +51,8 @@ class Experts:
             self.gemv = weight.is_cpu and weight.dtype in (torch.float32, torch.bfloat16)
 
     def __call__(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """x @ expert's matrix.T."""
-        w = self.each[expert]
+        """x @ the matrix.T of the model's expert `expert` (one of `held`)."""
+        w = self.each[expert - self.held.start]
         if isinstance(w, QuantizedWeight):
             return quantized_linear(x.float().contiguous(), w)
         return small_linear(x.contiguous(), w) if self.gemv else F.linear(x, w)
@@ -90,20 +92,21 @@ def sparse_moe(
     experts' outputs are weighted in float32 and rounded once (Mixtral's router keeps float32
     weights); else the weights are rounded to x's dtype first (Qwen3-MoE's). `one_call`: experts
     in blocks take one C call per projection (False: one per expert, for bench/bench_moe.py to
-    measure beside it; the same outputs, bitwise)."""
+    measure beside it; the same outputs, bitwise). Experts that hold a tensor-parallel rank's
+    range give that range's share of the output, for the caller to all-reduce."""
     logits = router(x)
     weights, experts = route(logits, top_k, normalize)
     if not weights_in_float32:
         weights = weights.to(logits.dtype)
-    order, tokens, counts = by_expert(experts, gate.num_experts)
+    order, tokens, counts = by_expert(experts, logits.shape[-1])
     pair_weights = weights.flatten()[order].unsqueeze(-1)
     out = torch.zeros_like(x)
-    if one_call and in_blocks(gate, up, down):
+    if one_call and in_blocks(logits.shape[-1], gate, up, down):
         g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts)
         h = (F.silu(g) * u).to(x.dtype).float().contiguous()
         y = (down_of(h, down, counts).to(x.dtype) * pair_weights).to(x.dtype)
         return add_up(out, y, tokens, counts)
-    for expert, pairs in each_expert(counts):
+    for expert, pairs in each_expert(counts, gate.held):
         rows = tokens[pairs]
         xs = x[rows]
         h = F.silu(gate(expert, xs)) * up(expert, xs)
@@ -124,11 +127,12 @@ def by_expert(
     return order, order // experts.shape[1], counts
 
 
-def each_expert(counts: list[int]) -> Iterator[tuple[int, slice]]:
-    """(expert, its pairs) of each chosen expert, for pairs sorted by expert (by_expert)."""
+def each_expert(counts: list[int], held: range | None = None) -> Iterator[tuple[int, slice]]:
+    """(expert, its pairs) of each chosen expert (of those `held`; None: all), for pairs sorted
+    by expert (by_expert)."""
     start = 0
     for expert, n in enumerate(counts):
-        if n:
+        if n and (held is None or expert in held):
             yield expert, slice(start, start + n)
         start += n
 
@@ -144,9 +148,12 @@ def add_up(out: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor, counts: lis
     return out
 
 
-def in_blocks(*projections: Experts) -> bool:
-    """Whether every projection is in blocks: one C call each for all the chosen experts."""
-    return all(isinstance(m.weight, QuantizedWeight) for m in projections)
+def in_blocks(num_experts: int, *projections: Experts) -> bool:
+    """Whether every projection is in blocks and holds all the model's `num_experts`: one C call
+    each for all the chosen experts."""
+    return all(
+        isinstance(m.weight, QuantizedWeight) and m.num_experts == num_experts for m in projections
+    )
 
 
 def _groups(counts: list[int]) -> torch.Tensor:

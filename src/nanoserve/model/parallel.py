@@ -1,8 +1,9 @@
 """Tensor parallelism inside the model, Megatron-style: which slice of each weight a rank keeps
 (column-parallel: whole heads of the fused q/k/v, the same rows of gate and of up; row-parallel:
 the matching input columns of o and down; vocabulary-parallel: a range of the embedding's and the
-output projection's rows) and the collectives of a forward pass (an all-reduce after each
-row-parallel matmul and after the embedding, one gather of the logits to rank 0). Knows no engine.
+output projection's rows; expert-parallel: a range of a mixture's experts, whole) and the
+collectives of a forward pass (an all-reduce after each row-parallel matmul, after a mixture of
+experts and after the embedding, one gather of the logits to rank 0). Knows no engine.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanoserve.config import SettingError
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.weights import Tensor, listed
 
@@ -71,25 +71,27 @@ SINGLE = Parallel()
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """Refuse, in one line, a model whose heads (or MLP) cannot be split evenly `size` ways, and a
-    mixture of experts (its experts are not sharded yet)."""
-    if config.moe and size > 1:
-        raise SettingError(
-            "tensor_parallel_size", size, f"1 for a mixture-of-experts model ({config.num_experts} "
-            "experts): sharding the experts across ranks is not implemented",
-        )  # fmt: skip
-    counts = {
-        "num_heads": config.num_heads,
-        "num_kv_heads": config.num_kv_heads,
-        "intermediate_size": config.intermediate_size,
-    }
+    """Refuse, in one line, a model whose heads, MLP or experts cannot be split evenly `size`
+    ways."""
+    counts = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
+    if config.moe:
+        counts["num_experts"] = config.num_experts
+    else:
+        counts["intermediate_size"] = config.intermediate_size
     bad = [name for name, n in counts.items() if n % size]
     if bad:
         listed = ", ".join(f"{name} {n}" for name, n in counts.items())
         raise ValueError(
             f"tensor_parallel_size {size} must divide the model's {' and '.join(bad)} "
-            f"({listed}): each rank keeps whole heads"
+            f"({listed}): each rank keeps whole heads and whole experts"
         )
+
+
+def held_experts(num_experts: int, rank: int, size: int) -> range:
+    """The experts rank `rank` of `size` keeps whole (expert parallelism: each chosen expert
+    runs on one rank, and the block's output is all-reduced as a row-parallel matmul's)."""
+    n = num_experts // size
+    return range(rank * n, (rank + 1) * n)
 
 
 # -- slices of the weights ([out_features, in_features], as in torch) ---------------------------
@@ -163,4 +165,7 @@ def _slice(t: Tensor, w: torch.Tensor, config: ModelConfig, p: Parallel) -> torc
         return row_parallel(w, p.rank, p.size)
     if t.shard == "vocab":
         return vocab_parallel(w, p.rank, p.size)
+    if t.shard == "experts":  # stacked [experts, ...] (floats: blocks stay whole in one process)
+        held = held_experts(config.num_experts, p.rank, p.size)
+        return w[held.start : held.stop].contiguous()
     return w

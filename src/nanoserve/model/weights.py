@@ -24,8 +24,9 @@ from nanoserve.model.quantized import QuantLinear, Weight
 
 Matrix = Linear | QuantLinear
 # column: whole heads of each part's output rows; row: the matching input columns; vocab: a range
-# of the vocabulary's rows; replicated: whole on every rank (model/parallel.py).
-Shard = Literal["column", "row", "vocab", "replicated"]
+# of the vocabulary's rows; experts: a range of the experts (each rank's whole); replicated: whole
+# on every rank (model/parallel.py).
+Shard = Literal["column", "row", "vocab", "experts", "replicated"]
 # matrix: multiplied by (a Linear; a QuantLinear when in GGUF blocks); embedding: rows looked up
 # (floats or GGUF blocks, as they come); norm, bias: a vector, always floats (a bias is added to a
 # matrix's product: a row-parallel one once, after the all-reduce); experts: one matrix per
@@ -127,17 +128,17 @@ class LayerWeights:
         renamed=("mixtral_names", ("block_sparse_moe.gate",)),
     )  # fmt: skip
     experts_gate: Experts | None = _optional(
-        hf=("mlp.experts.{e}.gate_proj",), gguf=("ffn_gate_exps",), shard="replicated",
+        hf=("mlp.experts.{e}.gate_proj",), gguf=("ffn_gate_exps",), shard="experts",
         kind="experts", when="moe", parts=lambda c: [(c.expert_size, c.hidden_size)],
         renamed=("mixtral_names", ("block_sparse_moe.experts.{e}.w1",)),
     )  # fmt: skip
     experts_up: Experts | None = _optional(
-        hf=("mlp.experts.{e}.up_proj",), gguf=("ffn_up_exps",), shard="replicated",
+        hf=("mlp.experts.{e}.up_proj",), gguf=("ffn_up_exps",), shard="experts",
         kind="experts", when="moe", parts=lambda c: [(c.expert_size, c.hidden_size)],
         renamed=("mixtral_names", ("block_sparse_moe.experts.{e}.w3",)),
     )  # fmt: skip
     experts_down: Experts | None = _optional(
-        hf=("mlp.experts.{e}.down_proj",), gguf=("ffn_down_exps",), shard="replicated",
+        hf=("mlp.experts.{e}.down_proj",), gguf=("ffn_down_exps",), shard="experts",
         kind="experts", when="moe", parts=lambda c: [(c.hidden_size, c.expert_size)],
         renamed=("mixtral_names", ("block_sparse_moe.experts.{e}.w2",)),
     )  # fmt: skip
@@ -148,15 +149,15 @@ class LayerWeights:
         suffix="bias", when="gpt_oss", parts=lambda c: [(c.num_experts,)],
     )  # fmt: skip
     experts_gate_bias: torch.Tensor | None = _optional(
-        hf=("mlp.experts.{e}.gate_proj",), gguf=("ffn_gate_exps",), shard="replicated",
+        hf=("mlp.experts.{e}.gate_proj",), gguf=("ffn_gate_exps",), shard="experts",
         kind="expert_bias", suffix="bias", when="gpt_oss", parts=lambda c: [(c.expert_size,)],
     )  # fmt: skip
     experts_up_bias: torch.Tensor | None = _optional(
-        hf=("mlp.experts.{e}.up_proj",), gguf=("ffn_up_exps",), shard="replicated",
+        hf=("mlp.experts.{e}.up_proj",), gguf=("ffn_up_exps",), shard="experts",
         kind="expert_bias", suffix="bias", when="gpt_oss", parts=lambda c: [(c.expert_size,)],
     )  # fmt: skip
     experts_down_bias: torch.Tensor | None = _optional(
-        hf=("mlp.experts.{e}.down_proj",), gguf=("ffn_down_exps",), shard="replicated",
+        hf=("mlp.experts.{e}.down_proj",), gguf=("ffn_down_exps",), shard="experts",
         kind="expert_bias", suffix="bias", when="gpt_oss", parts=lambda c: [(c.hidden_size,)],
     )  # fmt: skip
     sinks: torch.Tensor | None = _optional(  # [heads]: each head's logit in its softmax's sum
