@@ -42,10 +42,11 @@ def _routing(tokens: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
-@pytest.mark.parametrize("tokens", [1, 3, 11])
+@pytest.mark.parametrize("tokens", [1, 3, 11, 40])
 def test_each_row_is_bitwise_the_per_expert_matmul(isa, qtype, tokens):  # noqa: F811
     """Odd sizes (N = 37 rows an expert, not a multiple of a strip or a chunk), gate and up as one
-    call of two weights, the down projection's rows as x itself (rows None), 1 and 2 threads."""
+    call of two weights, the down projection's rows as x itself (rows None), 1 and 2 threads;
+    groups of a few rows (the VNNI paths' byte GEMV) and, at 40 tokens, of more than 8."""
     k = 512 if qtype in ("q4_k", "q6_k") else 32 * 7
     gate, up = _experts(qtype, 37, k, seed=1), _experts(qtype, 37, k, seed=2)
     rows, groups = _routing(tokens, top_k=2, seed=tokens)
@@ -56,6 +57,7 @@ def test_each_row_is_bitwise_the_per_expert_matmul(isa, qtype, tokens):  # noqa:
             torch.set_num_threads(t)
             outs = kernels.expert_linear(x, [gate, up], EXPERTS, groups, rows)
             pairs = kernels.expert_linear(x[rows].contiguous(), [gate], EXPERTS, groups)
+            assert tokens < 40 or groups[:, 2].max() > 8
             for e, start, count in groups.tolist():
                 xs = x[rows[start : start + count]]
                 for w, out in zip((gate, up), outs, strict=True):

@@ -9,9 +9,11 @@
  * share per thread, so that each thread streams its own experts' weights all the time.
  *
  * Each output is bitwise quant.c's: the same quantized rows and the same kernels, whose results
- * do not depend on the columns or rows they are given with (quant.h). The AMX GEMM is not used
- * (its results are VNNI's, bitwise): its tiles take rows in sixteens, which experts' row ranges
- * do not start on.
+ * do not depend on the columns or rows they are given with (quant.h). On the VNNI paths a group
+ * of up to NS_BYTE_ROWS rows takes the byte GEMV (quant_bytes.h), as quant.c's matmul of that
+ * many rows does; a larger group the int16 kernels (the same results, bitwise). The AMX GEMM is
+ * not used (its results are VNNI's, bitwise): its tiles take rows in sixteens, which experts'
+ * row ranges do not start on.
  */
 #include "quant.h"
 
@@ -23,7 +25,8 @@
 enum { CHUNK = 64 };
 
 /* The matmul of one group of rows: rows [start, start + count) of the pairs' activations by the
- * expert's matrix of w (N rows of row_bytes), into rows start.. of out [pairs, N]. */
+ * expert's matrix of w (N rows of row_bytes), into rows start.. of out [pairs, N]. The view
+ * keeps the activations' bytes (the byte GEMV) for a group of up to NS_BYTE_ROWS rows only. */
 static ns_qmm group_matmul(const ns_xq *xq, ns_xq *view, const float *xf, const char *w,
                            float *out, const int64_t *group, Py_ssize_t N, Py_ssize_t K,
                            size_t row_bytes) {
@@ -33,6 +36,15 @@ static ns_qmm group_matmul(const ns_xq *xq, ns_xq *view, const float *xf, const 
         view->q = xq->q + start * K;
         view->dx = xq->dx + start * xq->blocks;
         view->sx = xq->sx + start * xq->blocks;
+    }
+    if (xq->hi && count <= NS_BYTE_ROWS) {
+        view->hi = xq->hi + start * K;
+        view->lo = xq->lo + start * K;
+        view->sum16 = xq->sum16 + start * (K / 16);
+        view->hisum = xq->hisum + start * xq->blocks;
+    } else {
+        view->hi = NULL;
+        view->lo = NULL;
     }
     const ns_qmm a = {out + start * N, w + (size_t)expert * (size_t)N * row_bytes, view, count,
                       N, K, N, row_bytes, xf ? xf + start * K : NULL};
@@ -50,6 +62,7 @@ static int quant_experts(float *const outs[], const char *const ws[], int nw, co
     if (path == NS_AMX) path = NS_AVX512_VNNI;
     const uint8_t *order = path == NS_PORTABLE ? NULL : f->pairs;
     const ns_matmul_fn kernel = ns_path_kernel(f, path);
+    const int bytes = path >= NS_AVX512_VNNI && f->byte_gemv;
     const size_t row_bytes = (size_t)(K / ns_block_values(f)) * f->block_bytes;
     /* The pairs' activations: x's rows quantized once each (xt), then gathered per pair (xq). A
      * float_x format gathers x's floats (xf) instead. */
@@ -58,8 +71,8 @@ static int quant_experts(float *const outs[], const char *const ws[], int nw, co
     float *xf = NULL;
     if (f->float_x) {
         if (rows && !(xf = malloc((size_t)(P * K) * sizeof(float)))) return -1;
-    } else if (!(base_q = ns_xq_alloc(&xq, P, K, 0, 0)) ||
-               (rows && !(base_t = ns_xq_alloc(&xt, T, K, 0, 0)))) {
+    } else if (!(base_q = ns_xq_alloc(&xq, P, K, 0, bytes)) ||
+               (rows && !(base_t = ns_xq_alloc(&xt, T, K, 0, bytes)))) {
         free(base_q);
         return -1;
     }
@@ -83,6 +96,13 @@ static int quant_experts(float *const outs[], const char *const ws[], int nw, co
                 memcpy(xq.q + p * K, xt.q + t * K, (size_t)K * sizeof(int16_t));
                 memcpy(xq.dx + p * blocks, xt.dx + t * blocks, (size_t)blocks * sizeof(float));
                 memcpy(xq.sx + p * blocks, xt.sx + t * blocks, (size_t)blocks * sizeof(float));
+                if (!bytes) continue;
+                memcpy(xq.hi + p * K, xt.hi + t * K, (size_t)K);
+                memcpy(xq.lo + p * K, xt.lo + t * K, (size_t)K);
+                memcpy(xq.sum16 + p * (K / 16), xt.sum16 + t * (K / 16),
+                       (size_t)(K / 16) * sizeof(int32_t));
+                memcpy(xq.hisum + p * blocks, xt.hisum + t * blocks,
+                       (size_t)blocks * sizeof(int32_t));
             }
         }
         /* A contiguous range of units per thread: (group, weight, chunk), chunk fastest. */
