@@ -70,4 +70,5 @@ const ns_block_format MXFP4_FORMAT = {
     .dequantize = mxfp4_dequantize,
     .pairs = NS_NIBBLE_PAIRS,
     .portable = mxfp4_matmul_portable,
+    .byte_gemv = 1,
 };

@@ -103,7 +103,27 @@ NS_INLINE void mxfp4_unpack(strip *s, const char *w, size_t stride) {
     for (int j = 0; j < 16; j++) s->p[j] = iv_sar16(iv_shl16(iv_lookup8(table, s->p[j]), 8), 8);
 }
 
-static const strip_format MXFP4_STRIPS = {mxfp4_unpack, sizeof(block_mxfp4), 0};
+/* As mxfp4_unpack, into bytes (the byte GEMV): each value (NS_MXFP4_VALUES, -12..12) plus 128,
+ * as unsigned bytes, as Q8_0's. Byte j of qs holds value j (low nibble) and j + 16 (high). */
+NS_INLINE void mxfp4_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+    const ivec e = iv_and(row_words(w, stride), iv_set32(255));
+    s->d = fv_mul(iv_as_fv(iv_max32(iv_shl32(e, 23), iv_set32(0x00400000))), fv_set(0.5f));
+    s->m = fv_zero();
+    s->d2 = fv_zero();
+    ivec g[4];
+    transpose_rows(g, (const char *)((const block_mxfp4 *)w)->qs, stride);
+    const ivec table = iv_table16(NS_MXFP4_VALUES), nibbles = iv_set8(15), offset = iv_set8(-128);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        s->v[i] = iv_xor(iv_lookup8(table, iv_and(g[i], nibbles)), offset);
+        s->v[4 + i] = iv_xor(iv_lookup8(table, iv_and(iv_shr32(g[i], 4), nibbles)), offset);
+    }
+}
+
+static const strip_format MXFP4_STRIPS = {.unpack = mxfp4_unpack,
+                                          .block_bytes = sizeof(block_mxfp4),
+                                          .unpack_bytes = mxfp4_unpack_bytes,
+                                          .byte_signed = 1};
 
 static NS_KERNEL void mxfp4_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, MXFP4_STRIPS);
