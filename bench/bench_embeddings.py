@@ -18,7 +18,8 @@ engines run the same cut model). The batch: --texts texts of --min-tokens to --m
 Each engine's vectors are checked against sentence-transformers' (cosine) so that the comparison
 is of the same computation. Wall-clock and CPU seconds (process time), the median of --repeats
 runs after a warm-up. Results: bench/results/embeddings.json and .png, with the CPU's model and
-flags and the thread count.
+flags and the thread count, and each model's settings and load average (a run of some --models
+replaces their rows and keeps the others' where the CPU and threads are the same).
 
     python -m bench.bench_embeddings [--threads 2] [--texts 256] [--qwen3-layers 28]
                                      [--dtype float32] [--skip-llamacpp]
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -214,12 +216,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             print(f"{name}, {layers[name]} layers:", flush=True)
+            load = os.getloadavg()
             rows.append(bench_model(name, layers[name], args, Path(tmp)))
+            rows[-1] |= {"settings": vars(args), "load_average": [load, os.getloadavg()]}
             print_row(rows[-1])
-    out = info | {"settings": vars(args), "rows": rows}
+    out = info | {"rows": kept_rows(info, rows) + rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "embeddings.json").write_text(json.dumps(out, indent=2) + "\n")
     plot(out, RESULTS / "embeddings.png")
+
+
+def kept_rows(info: dict, rows: list[dict]) -> list[dict]:
+    """The rows of the results file that this run did not redo, where it was written on the same
+    CPU with the same threads (a run of some --models updates theirs), else none."""
+    try:
+        old = json.loads((RESULTS / "embeddings.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if any(old.get(k) != info[k] for k in ("cpu", "flags", "threads")):
+        return []
+    done = {row["model"] for row in rows}
+    kept = [row for row in old.get("rows", []) if row["model"] not in done]
+    return [{"settings": old.get("settings")} | row for row in kept]
 
 
 def plot(result: dict, path: Path) -> None:

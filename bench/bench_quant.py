@@ -11,8 +11,8 @@ caches hold) one after the other at M = 1 and 4, as a decode step reads them, be
 on their float32 values. Prints a table, the block matmuls beside the float32 ones, and writes
 bench/results/quant_cpu.json. SmolLM2's K (576, 1536) is no multiple of a K-quant super-block
 (256), so the K-quants run there only on the down projection's K = 1536; their decode GEMV is
-measured at M = 1 on Llama-3.2-1B's MLP shapes (GEMV_SHAPES) beside Q4_1 and Q8_0, one format
-after the other on the same shape (--gemv-only: that alone).
+measured at M = 1 on Llama-3.2-1B's MLP shapes (GEMV_SHAPES) beside Q4_1, Q8_0 and MXFP4, one
+format after the other on the same shape (--gemv-only: that alone).
 
 --compare-dequant adds the alternative the kernels do not take: the weights de-quantized to
 float32 instead of the activations quantized to int16 (bench/experiments/dequant_f32.c,
@@ -55,7 +55,7 @@ LAYERS, LAYER_SHAPES = 30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 SWEEP_ROWS = (1, 4)
 # Llama-3.2-1B's gate / up (8192x2048) and down (2048x8192): its Q4_K_M file's are Q4_K and Q6_K.
 GEMV_SHAPES = [(8192, 2048, "gate, up (1B)"), (2048, 8192, "down (1B)")]
-GEMV_QTYPES = ("q4_k", "q6_k", "q4_1", "q8_0")
+GEMV_QTYPES = ("q4_k", "q6_k", "q4_1", "q8_0", "mxfp4")
 RESULTS = Path(__file__).parent / "results"
 EXPERIMENT = Path(__file__).parent / "experiments" / "dequant_f32.c"
 
