@@ -22,7 +22,7 @@ flags and the thread count, and each model's settings and load average (a run of
 replaces their rows and keeps the others' where the CPU and threads are the same).
 
     python -m bench.bench_embeddings [--threads 2] [--texts 256] [--qwen3-layers 28]
-                                     [--dtype float32] [--skip-llamacpp]
+                                     [--dtype float32] [--st-dtype bfloat16] [--skip-llamacpp]
 """
 
 from __future__ import annotations
@@ -97,10 +97,13 @@ def run_nanoserve(model: Path, dtype: str) -> Callable[[list[str]], list[list[fl
     return embed
 
 
-def run_sentence_transformers(model: Path) -> Callable[[list[str]], list[list[float]]]:
+def run_sentence_transformers(
+    model: Path, dtype: str = "float32"
+) -> Callable[[list[str]], list[list[float]]]:
     from sentence_transformers import SentenceTransformer
 
-    st = SentenceTransformer(str(model), device="cpu")
+    kwargs = {"dtype": getattr(torch, dtype)}
+    st = SentenceTransformer(str(model), device="cpu", model_kwargs=kwargs)
     return lambda texts: st.encode(texts, batch_size=32).tolist()
 
 
@@ -153,7 +156,8 @@ def bench_model(name: str, layers: int, args: argparse.Namespace, tmp: Path) -> 
     engines = {
         f"nanoserve ({args.nanoserve_reads}, {args.dtype})": partial(run_nanoserve, reads,
                                                                      args.dtype),
-        "sentence-transformers": partial(run_sentence_transformers, model),
+        f"sentence-transformers ({args.st_dtype})": partial(run_sentence_transformers, model,
+                                                             args.st_dtype),
     }  # fmt: skip
     for t in () if args.skip_llamacpp else ("f32", "f16"):
         engines[f"llama.cpp {t}"] = partial(run_llamacpp, ggufs[t], model, args.threads)
@@ -168,7 +172,7 @@ def bench_model(name: str, layers: int, args: argparse.Namespace, tmp: Path) -> 
             "tokens_per_s": tokens / times["wall_s"],
         }
         print(f"  {engine:34s} {times['wall_s']:7.2f} s  cpu {times['cpu_s']:7.2f} s", flush=True)
-    oracle = vectors["sentence-transformers"]
+    oracle = vectors[f"sentence-transformers ({args.st_dtype})"]
     for engine, v in vectors.items():
         cosine = torch.nn.functional.cosine_similarity(v.float(), oracle.float())
         row["engines"][engine]["min_cosine_vs_st"] = round(cosine.min().item(), 6)
@@ -205,6 +209,7 @@ def main() -> None:
     parser.add_argument("--models", default="bert-base,qwen3-embedding-0.6b")
     parser.add_argument("--dtype", default="auto", help="nanoserve's (float32 or bfloat16)")
     parser.add_argument("--skip-llamacpp", action="store_true")
+    parser.add_argument("--st-dtype", default="float32", choices=["float32", "bfloat16"])
     reads = ["hf", "gguf-f32", "gguf-f16"]  # the HF directory, or llama.cpp's file
     parser.add_argument("--nanoserve-reads", default="hf", choices=reads, help="what it loads")
     args = parser.parse_args()

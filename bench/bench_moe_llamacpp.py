@@ -55,7 +55,13 @@ from nanoserve.engine import Engine
 from nanoserve.env import cache_dir
 from nanoserve.kernels import QuantizedWeight
 from nanoserve.model import gpt_oss, llama, moe
-from nanoserve.testing.llamacpp_convert import convert, fetch, quantize
+from nanoserve.testing.llamacpp_convert import (
+    convert,
+    fetch,
+    quantize,
+    smollm2_vocabulary,
+    write_vocabulary,
+)
 
 RESULTS = Path(__file__).parent / "results"
 CASES = ["short", "8x short", "pp512"]  # bench_context.CASES' names
@@ -115,11 +121,9 @@ def family_file(family: Family) -> Path:
     out = folder / f"{family.quant}.gguf"
     if out.is_file():
         return out
-    from nanoserve.default_model import default_model_path
-    from nanoserve.model.gguf_file import GGUFCheckpoint
 
     fetch()
-    vocab = GGUFCheckpoint(default_model_path()).tokenizer()
+    vocab = smollm2_vocabulary()
     model_dir = folder / "hf"
     config = family.config(
         vocab_size=vocab.vocab_size, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -129,10 +133,7 @@ def family_file(family: Family) -> Path:
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(
         model_dir
     )
-    (model_dir / "tokenizer.json").write_text(vocab.backend_json())
-    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-               "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
+    write_vocabulary(model_dir, vocab)
     f16 = convert(model_dir, folder / "F16.gguf", "f16")
     partial = quantize(f16, folder / f"{family.quant}.partial", family.quant,
                        torch.get_num_threads())  # fmt: skip

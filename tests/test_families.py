@@ -444,18 +444,13 @@ def test_a_gguf_written_by_llama_cpp_equals_transformers(converter, tmp_path, na
     it, greedy ids equal."""
     import transformers
 
-    from nanoserve.default_model import default_model_path
-    from nanoserve.testing.llamacpp_convert import convert
+    from nanoserve.testing.llamacpp_convert import convert, smollm2_vocabulary, write_vocabulary
 
     family, arch, extra = CONVERTED[name]
-    tokenizer = GGUFCheckpoint(default_model_path()).tokenizer()
+    tokenizer = smollm2_vocabulary()
     model_dir = tmp_path / name
     write_family_checkpoint(model_dir, family, vocab_size=tokenizer.vocab_size, **extra)
-    (model_dir / "tokenizer.json").write_text(tokenizer.backend_json())
-    # The class named, or transformers picks the family's own (Qwen3: Qwen2Tokenizer).
-    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-               "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
+    write_vocabulary(model_dir, tokenizer)
     (model_dir / "special_tokens_map.json").unlink(missing_ok=True)
     path = convert(model_dir, tmp_path / "m.gguf")
     assert GGUFCheckpoint(path).config.family == arch
@@ -481,10 +476,9 @@ def quantizer():
 def converted_f32(converter, tmp_path_factory):
     """Each family's random checkpoint at K-quant sizes (every row a multiple of 256) as
     llama.cpp's converter writes it in F32, once per family."""
-    from nanoserve.default_model import default_model_path
-    from nanoserve.testing.llamacpp_convert import convert
+    from nanoserve.testing.llamacpp_convert import convert, smollm2_vocabulary, write_vocabulary
 
-    vocab = GGUFCheckpoint(default_model_path()).tokenizer()
+    vocab = smollm2_vocabulary()
     files = {}
 
     def make(name):
@@ -498,10 +492,7 @@ def converted_f32(converter, tmp_path_factory):
             write_family_checkpoint(
                 model_dir, family, vocab_size=vocab.vocab_size, **{**extra, **sizes}
             )
-            (model_dir / "tokenizer.json").write_text(vocab.backend_json())
-            special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-                       "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
-            (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
+            write_vocabulary(model_dir, vocab)
             files[name] = convert(model_dir, model_dir / "f32.gguf")
         return files[name]
 
@@ -545,12 +536,11 @@ def test_a_gguf_quantized_by_llama_cpp_keeps_its_blocks(
 def test_gemma3_gguf_layer_pattern_as_llama_cpp_reads_it(converter, tmp_path):
     """The converter writes the window but not the layer types: every sixth layer is global
     unless attention.sliding_window_pattern (an int, or a flag per layer) says otherwise."""
-    from nanoserve.default_model import default_model_path
     from nanoserve.model.gguf_file import GGUFError
-    from nanoserve.testing.llamacpp_convert import convert
+    from nanoserve.testing.llamacpp_convert import convert, smollm2_vocabulary
 
     family, _, extra = CONVERTED["gemma3"]
-    vocab = GGUFCheckpoint(default_model_path()).tokenizer()
+    vocab = smollm2_vocabulary()
     model_dir = write_family_checkpoint(
         tmp_path / "g", family, vocab_size=vocab.vocab_size, **{**extra, "num_hidden_layers": 7}
     )

@@ -4,8 +4,6 @@ as the checkpoint's config and gives transformers' greedy ids; llama.cpp's quant
 file keeps its experts in their MXFP4 blocks and gives the ids of the same file de-quantized; YaRN
 keys nanoserve does not run are refused by name."""
 
-import json
-
 import pytest
 from safetensors.torch import load_file, save_file
 from test_families import _reference
@@ -14,6 +12,12 @@ from test_moe import GGUF_EXPERTS, GGUF_PROMPTS, _greedy
 from nanoserve.model.config import ModelConfig
 from nanoserve.model.gguf_gpt_oss import yarn_rope
 from nanoserve.testing.hf_families import write_family_checkpoint
+from nanoserve.testing.llamacpp_convert import (
+    convert,
+    converter,
+    smollm2_vocabulary,
+    write_vocabulary,
+)
 
 pytest.importorskip("transformers")
 
@@ -32,13 +36,9 @@ SINK_GAIN = 6.0  # as test_gpt_oss.py: some sinks outweigh the scores
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(the Hugging Face checkpoint, llama.cpp's F32 GGUF of it) in SmolLM2's vocabulary."""
-    from nanoserve.default_model import default_model_path
-    from nanoserve.model.gguf_file import GGUFCheckpoint
-    from nanoserve.testing.llamacpp_convert import convert, converter
-
     if converter() is None:  # nothing is downloaded at test time
         pytest.skip("llama.cpp's converter is not fetched")
-    vocab = GGUFCheckpoint(default_model_path()).tokenizer()
+    vocab = smollm2_vocabulary()
     model_dir = tmp_path_factory.mktemp("gpt_oss_gguf")
     write_family_checkpoint(model_dir, "gpt_oss", vocab_size=vocab.vocab_size, **GPT_OSS)
     file = model_dir / "model.safetensors"
@@ -47,10 +47,7 @@ def converted(tmp_path_factory):
         if name.endswith("self_attn.sinks"):
             tensors[name] = tensors[name] * SINK_GAIN
     save_file(tensors, file, metadata={"format": "pt"})
-    (model_dir / "tokenizer.json").write_text(vocab.backend_json())
-    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-               "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
+    write_vocabulary(model_dir, vocab)
     return model_dir, convert(model_dir, model_dir / "f32.gguf")
 
 

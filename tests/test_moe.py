@@ -15,6 +15,12 @@ from test_oracle import MAX_TOKENS, _ours, _prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.model.config import CheckpointError
 from nanoserve.testing.hf_families import write_family_checkpoint
+from nanoserve.testing.llamacpp_convert import (
+    convert,
+    converter,
+    smollm2_vocabulary,
+    write_vocabulary,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,13 +190,9 @@ GGUF_EXPERTS = {"experts_gate": "ffn_gate_exps", "experts_up": "ffn_up_exps",
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """`converted(name)`: (the Hugging Face checkpoint, llama.cpp's F32 GGUF of it), once."""
-    from nanoserve.default_model import default_model_path
-    from nanoserve.model.gguf_file import GGUFCheckpoint
-    from nanoserve.testing.llamacpp_convert import convert, converter
-
     if converter() is None:  # nothing is downloaded at test time
         pytest.skip("llama.cpp's converter is not fetched")
-    vocab = GGUFCheckpoint(default_model_path()).tokenizer()
+    vocab = smollm2_vocabulary()
     files = {}
 
     def make(name):
@@ -199,10 +201,7 @@ def converted(tmp_path_factory):
             model_dir = tmp_path_factory.mktemp(name)
             write_family_checkpoint(model_dir, family, vocab_size=vocab.vocab_size,
                                     hidden_size=256, tie_word_embeddings=True, **extra)  # fmt: skip
-            (model_dir / "tokenizer.json").write_text(vocab.backend_json())
-            special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-                       "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
-            (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
+            write_vocabulary(model_dir, vocab)
             files[name] = model_dir, convert(model_dir, model_dir / "f32.gguf")
         return files[name]
 

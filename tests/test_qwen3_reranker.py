@@ -1,7 +1,8 @@
 """Qwen3-Reranker in both forms against transformers on the same token ids: the "seq-cls"
 conversion (Qwen3ForSequenceClassification: sigmoid of its one logit) and the original causal LM
 under hf_overrides (sigmoid of logit(true) - logit(false) at the last token), in the pooling
-engine, through /v1/rerank and /v1/score, and LLM.score; the overrides refused by name."""
+engine, through /v1/rerank and /v1/score, and LLM.score; the overrides refused by name; and the
+original's GGUF file as llama.cpp's converter writes it (a RANK head of "yes" and "no")."""
 
 import pytest
 import torch
@@ -13,6 +14,12 @@ from nanoserve.llm import LLM
 from nanoserve.model.bert_config import check_checkpoint_config
 from nanoserve.testing.harness import live_pooling_server
 from nanoserve.testing.hf_families import write_family_checkpoint
+from nanoserve.testing.llamacpp_convert import (
+    convert,
+    converter,
+    smollm2_vocabulary,
+    write_vocabulary,
+)
 
 # Qwen3-Reranker's documented prompt, formatted by the caller as vLLM's example does.
 PREFIX = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the '
@@ -39,12 +46,46 @@ def seq_cls_scores(path, token_ids: list[list[int]]) -> list[float]:
         return [torch.sigmoid(model(torch.tensor([ids])).logits[0, 0]).item() for ids in token_ids]
 
 
-def original_scores(path, token_ids: list[list[int]]) -> list[float]:
+def original_scores(
+    path, token_ids: list[list[int]], engine_tokens: tuple[int, int] = (77, 88)
+) -> list[float]:
+    """sigmoid(logit(true) - logit(false)) at the last token; engine_tokens (false, true): by
+    default "n" and "y" in the demo vocabulary."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    engine_tokens = [77, 88]  # "n", "y" in the demo vocabulary
     with torch.no_grad():
         logits = [model(torch.tensor([ids])).logits[0, -1, engine_tokens] for ids in token_ids]
     return [torch.sigmoid(lg[1] - lg[0]).item() for lg in logits]
+
+
+@pytest.fixture(scope="module")
+def reranker_gguf(tmp_path_factory):
+    """(a random Qwen3 causal LM in SmolLM2's vocabulary, in a folder named as Qwen3-Reranker's,
+    by which llama.cpp's converter knows it; the converter's F32 file of it)."""
+    if converter() is None:  # nothing is downloaded at test time
+        pytest.skip("llama.cpp's converter is not fetched")
+    vocab = smollm2_vocabulary()
+    model_dir = tmp_path_factory.mktemp("gguf") / "qwen3-reranker-tiny"
+    model_dir.mkdir()
+    write_family_checkpoint(model_dir, "qwen3", seed=3, vocab_size=vocab.vocab_size)
+    write_vocabulary(model_dir, vocab)
+    return model_dir, convert(model_dir, model_dir / "f32.gguf")
+
+
+def test_a_gguf_reranker_scores_as_its_checkpoint(reranker_gguf):
+    """llama.cpp's converter keeps Qwen3-Reranker's LM head rows of "yes" and "no" (cls.output,
+    pooling_type RANK) and drops the rest of it: the file serves scores only (--runner generate
+    refused by name), sigmoid(yes - no) at the last token, as transformers on the checkpoint."""
+    model_dir, path = reranker_gguf
+    assert runs_pooling(path, EngineConfig())
+    with pytest.raises(SettingError, match="runner"):
+        runs_pooling(path, EngineConfig(runner="generate"))
+    engine = PoolingEngine(path)
+    assert engine.classifies and engine.num_labels == 1
+    scores, token_ids = run_pairs(engine)
+    tokens = (engine.tokenizer.token_id("no"), engine.tokenizer.token_id("yes"))
+    expected = original_scores(model_dir, token_ids, tokens)
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
+    assert max(expected) - min(expected) > 0.05
 
 
 def run_pairs(engine: PoolingEngine) -> tuple[list[float], list[list[int]]]:

@@ -47,6 +47,23 @@ static ALWAYS_INLINE void rms_norm_rows(void *out, const void *x, const void *w,
     }
 }
 
+/* One head's rotation: lo, hi its two halves (half values each), c and s its position's cos and
+ * sin rows (head_dim values). Distinct restrict pointers, so that the loop vectorises. */
+static ALWAYS_INLINE void rope_head(void *restrict lo, void *restrict hi, const void *restrict c,
+                                    const void *restrict s, Py_ssize_t half, int dtype) {
+#pragma omp simd
+    for (Py_ssize_t i = 0; i < half; i++) {
+        const float a = ns_load(lo, i, dtype), b = ns_load(hi, i, dtype);
+        const float c1 = ns_load(c, i, dtype), s1 = ns_load(s, i, dtype);
+        const float c2 = ns_load(c, half + i, dtype), s2 = ns_load(s, half + i, dtype);
+        /* rounded after each product, as torch's mul, mul, add are */
+        const float ac = ns_round(a * c1, dtype), bs = ns_round(-b * s1, dtype);
+        const float bc = ns_round(b * c2, dtype), as = ns_round(a * s2, dtype);
+        ns_store(lo, i, ac + bs, dtype);
+        ns_store(hi, i, bc + as, dtype);
+    }
+}
+
 /* For each row t and each of `heads` heads of head_dim values starting at row t * row_stride:
  * x <- x * cos[pos[t]] + rotate_half(x) * sin[pos[t]], rotate_half(x) = (-x2, x1). */
 static ALWAYS_INLINE void rope_rows(void *qk, const int64_t *positions, const void *cos,
@@ -54,23 +71,14 @@ static ALWAYS_INLINE void rope_rows(void *qk, const int64_t *positions, const vo
                                     Py_ssize_t head_dim, Py_ssize_t row_stride, int dtype,
                                     int threads) {
     const Py_ssize_t half = head_dim / 2;
+    const size_t size = dtype == NS_BF16 ? 2 : 4;
 #pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
     for (Py_ssize_t t = 0; t < rows; t++) {
-        const Py_ssize_t table = positions[t] * head_dim;
+        const size_t table = (size_t)(positions[t] * head_dim) * size;
         for (Py_ssize_t h = 0; h < heads; h++) {
-            const Py_ssize_t x = t * row_stride + h * head_dim;
-            for (Py_ssize_t i = 0; i < half; i++) {
-                const float a = ns_load(qk, x + i, dtype), b = ns_load(qk, x + half + i, dtype);
-                const float c1 = ns_load(cos, table + i, dtype);
-                const float s1 = ns_load(sin, table + i, dtype);
-                const float c2 = ns_load(cos, table + half + i, dtype);
-                const float s2 = ns_load(sin, table + half + i, dtype);
-                /* rounded after each product, as torch's mul, mul, add are */
-                const float ac = ns_round(a * c1, dtype), bs = ns_round(-b * s1, dtype);
-                const float bc = ns_round(b * c2, dtype), as = ns_round(a * s2, dtype);
-                ns_store(qk, x + i, ac + bs, dtype);
-                ns_store(qk, x + half + i, bc + as, dtype);
-            }
+            char *x = (char *)qk + (size_t)(t * row_stride + h * head_dim) * size;
+            rope_head(x, x + (size_t)half * size, (const char *)cos + table,
+                      (const char *)sin + table, half, dtype);
         }
     }
 }
@@ -84,31 +92,69 @@ void nanoserve_rms_norm_rows(void *out, const void *x, const void *w, Py_ssize_t
         rms_norm_rows(out, x, w, rows, hidden, eps, NS_F32, num_threads);
 }
 
-/* act[r, i] = f(gate[r, i]) * up[r, i] of gate_up rows [gate | up], f SwiGLU's silu or Gemma's
- * GELU-tanh, rounded like torch's F.silu(gate) * up or F.gelu(gate, approximate="tanh") * up but
- * with libm's expf and tanhf, not torch's vectorised ones (they differ in the last bit for some
- * inputs): the one-call decode step and the layer-by-layer path both come here, so a row's result
- * does not depend on which path its step took. */
+/* silu(g) = g sigmoid(g), the sigmoid from e = exp(-|g|) (ns_exp_nonpos, which vectorises; a
+ * call of libm's expf per value bounded the gated MLP at 0.3-0.4 G values/s on two cores): 1 / (1
+ * + e) for g >= 0, e / (1 + e) below. Within a few ulp of torch's F.silu. */
+static inline float ns_silu(float g) {
+    const float e = ns_exp_nonpos(-fabsf(g));
+    return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+/* Row r's act[i] = silu(gate[i]) * up[i], rounded like torch's F.silu(gate) * up: typed rows, so
+ * that the loop vectorises. */
+static ALWAYS_INLINE void silu_row(void *act, const void *gate_up, Py_ssize_t r, Py_ssize_t inter,
+                                   int dtype) {
+    if (dtype == NS_BF16) {
+        const uint16_t *restrict g = (const uint16_t *)gate_up + r * 2 * inter;
+        const uint16_t *restrict u = g + inter;
+        uint16_t *restrict a = (uint16_t *)act + r * inter;
+#pragma omp simd
+        for (Py_ssize_t i = 0; i < inter; i++) {
+            const float f = ns_round(ns_silu(ns_bf16_to_f32(g[i])), NS_BF16);
+            a[i] = ns_f32_to_bf16(f * ns_bf16_to_f32(u[i]));
+        }
+    } else {
+        const float *restrict g = (const float *)gate_up + r * 2 * inter;
+        const float *restrict u = g + inter;
+        float *restrict a = (float *)act + r * inter;
+#pragma omp simd
+        for (Py_ssize_t i = 0; i < inter; i++) a[i] = ns_silu(g[i]) * u[i];
+    }
+}
+
+/* act[r, i] = f(gate[r, i]) * up[r, i] of gate_up rows [gate | up], f SwiGLU's silu (ns_silu) or
+ * Gemma's GELU-tanh (libm's tanhf), rounded like torch's F.silu(gate) * up or F.gelu(gate,
+ * approximate="tanh") * up, whose vectorised exp and tanh differ from these in the last bits for
+ * some inputs: the one-call decode step and the layer-by-layer path both come here, so a row's
+ * result does not depend on which path its step took. */
 static ALWAYS_INLINE void gated_rows(void *act, const void *gate_up, Py_ssize_t rows,
                                      Py_ssize_t inter, int dtype, int gelu, int threads) {
     const float beta = 0.7978845608028654f; /* sqrt(2 / pi) */
 #pragma omp parallel for num_threads(rows >= PARALLEL_ROWS ? threads : 1) schedule(static)
-    for (Py_ssize_t r = 0; r < rows; r++)
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (!gelu) {
+            silu_row(act, gate_up, r, inter, dtype);
+            continue;
+        }
         for (Py_ssize_t i = 0; i < inter; i++) {
             const float g = ns_load(gate_up, r * 2 * inter + i, dtype);
             const float up = ns_load(gate_up, r * 2 * inter + inter + i, dtype);
-            const float f = gelu ? 0.5f * g * (1.0f + tanhf(beta * (g + 0.044715f * g * g * g)))
-                                 : g / (1.0f + expf(-g));
+            const float f = 0.5f * g * (1.0f + tanhf(beta * (g + 0.044715f * g * g * g)));
             ns_store(act, r * inter + i, ns_round(f, dtype) * up, dtype);
         }
+    }
 }
 
 void nanoserve_gated_rows(void *act, const void *gate_up, Py_ssize_t rows, Py_ssize_t inter,
                           int dtype, int gelu, int num_threads) {
-    if (dtype == NS_BF16)
-        gated_rows(act, gate_up, rows, inter, NS_BF16, gelu, num_threads);
+    /* constant dtype and activation in each call, so each loop is specialised (and silu's
+     * vectorised) */
+    if (gelu)
+        gated_rows(act, gate_up, rows, inter, dtype == NS_BF16 ? NS_BF16 : NS_F32, 1, num_threads);
+    else if (dtype == NS_BF16)
+        gated_rows(act, gate_up, rows, inter, NS_BF16, 0, num_threads);
     else
-        gated_rows(act, gate_up, rows, inter, NS_F32, gelu, num_threads);
+        gated_rows(act, gate_up, rows, inter, NS_F32, 0, num_threads);
 }
 
 void nanoserve_rope_rows(void *qk, const int64_t *positions, const void *cos, const void *sin,

@@ -28,6 +28,7 @@ from nanoserve.engine.inputs import Chunk, pack
 from nanoserve.engine.kv_cache import allocate_cache, cdiv
 from nanoserve.engine.spec.ngram import SpecStats
 from nanoserve.model import (
+    GGUF_RANK,
     SINGLE,
     Bert,
     DecoderEmbeddingCheckpoint,
@@ -35,6 +36,7 @@ from nanoserve.model import (
     GGUFCheckpoint,
     Llama,
     classifier_head,
+    gguf_classifier_head,
     gguf_kind,
     gguf_pooling,
     is_encoder,
@@ -86,6 +88,7 @@ def runs_pooling(model: str | Path, config: EngineConfig) -> bool:
     file, is_dir = Path(model).is_file(), Path(model).is_dir()
     arch, pooling_type = gguf_kind(model) if file else (None, None)  # a GGUF's header read once
     encoder = arch == "bert" or (is_dir and (is_encoder(model) or is_sequence_classifier(model)))
+    encoder = encoder or pooling_type == GGUF_RANK  # a reranker's file, whose LM head is gone
     if config.hf_overrides is not None:
         encoder = True
     pools = pooling_type is not None
@@ -167,7 +170,8 @@ class PoolingEngine:
                 raise SettingError("hf_overrides", config.hf_overrides,
                                    "absent for a GGUF file")  # fmt: skip
             checkpoint = GGUFCheckpoint(path)
-            self.pooling = gguf_pooling(checkpoint.meta, "lasttoken", path.name)
+            self.pooling = gguf_pooling(checkpoint.meta, "lasttoken", path.name, ranks=True)
+            self.head = gguf_classifier_head(checkpoint)
         else:
             checkpoint = DecoderEmbeddingCheckpoint(path)
             self.pooling = read_pooling(path, "lasttoken")

@@ -3,7 +3,8 @@ the head's logit of the final normed hidden state of the last token (then the ac
 for one label). The head is the checkpoint's `score.weight` (`Qwen3ForSequenceClassification`, the
 community "seq-cls" conversion) or, for the original causal LM under --hf-overrides, the LM head's
 row of the true token less that of the false one (vLLM's from_2_way_softmax: sigmoid(a - b) is the
-softmax of [b, a] at a). Reads tensors; owns nothing.
+softmax of [b, a] at a), or a GGUF reranker's (llama.cpp's RANK pooling: the same difference).
+Reads tensors; owns nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 
 from nanoserve.config import HfOverrides, SettingError
 from nanoserve.model.config import SEQUENCE_CLASSIFIERS, CheckpointError, read_json
+from nanoserve.model.gguf_file import CLASSIFIER, GGUFCheckpoint
 from nanoserve.model.loader import checkpoint_files
+from nanoserve.model.pooling import GGUF_RANK
 from nanoserve.tokenizer import Tokenizer
 
 # The original Qwen3-Reranker's architecture: what --hf-overrides turns into a classifier.
@@ -51,6 +54,29 @@ def classifier_head(
     if lm_head is None:
         raise CheckpointError(f"{path}: no lm_head.weight nor embed_tokens.weight")
     return (lm_head[true] - lm_head[false]).unsqueeze(0)
+
+
+def gguf_classifier_head(checkpoint: GGUFCheckpoint) -> torch.Tensor | None:
+    """A GGUF reranker's head [1, hidden] in float32 (pooling_type RANK), or None. llama.cpp's
+    converter writes Qwen3-Reranker's LM head rows of "yes" and "no" as cls.output.weight [2,
+    hidden], output_labels ["yes", "no"]: the head is their difference, the score sigmoid(yes -
+    no), llama.cpp's softmax at "yes" and the directory's under --hf-overrides. A one-row head is
+    the logit as it is; any other refused by name."""
+    arch = checkpoint.meta["general.architecture"]
+    head, name = checkpoint.classifier(), checkpoint.path.name
+    if checkpoint.meta.get(f"{arch}.pooling_type") != GGUF_RANK:
+        if head is not None:
+            raise CheckpointError(f"{name}: {CLASSIFIER} without {arch}.pooling_type = RANK")
+        return None
+    if head is None:
+        raise CheckpointError(f"{name}: {arch}.pooling_type = RANK without {CLASSIFIER}")
+    labels = checkpoint.meta.get(f"{arch}.classifier.output_labels")
+    if head.shape[0] == 2 and labels == ["yes", "no"]:
+        return (head[0] - head[1]).unsqueeze(0)
+    if head.shape[0] == 1:
+        return head
+    raise CheckpointError(f"{name}: {CLASSIFIER} of {head.shape[0]} labels ({labels}) is not "
+                          "implemented (one label, or llama.cpp's yes and no)")  # fmt: skip
 
 
 def _token_id(tokenizer: Tokenizer, token: str) -> int:

@@ -67,6 +67,9 @@ GEMMA_NAMES = {**LAYER_NAMES, **{g: h for _, t in LAYER
                                  for g, h in zip(t.gguf, t.renamed[1], strict=True)}}  # fmt: skip
 TOP_NAMES = {g: h for _, t in MODEL for g, h in zip(t.gguf, t.hf, strict=True)}
 ROPE_FREQS = "rope_freqs.weight"
+# A reranker's head (pooling_type RANK), which model/decoder_classifier.py reads, not the decoder.
+CLASSIFIER = "cls.output.weight"
+NOT_LAYERS = (ROPE_FREQS, CLASSIFIER)
 
 
 class GGUFError(ValueError):
@@ -88,6 +91,14 @@ class GGUFCheckpoint:
         """The formats of the file's matrices that the CPU kernels take as they are."""
         kept = {Q(i["type"]) for i in self.tensors.values() if _keeps(i)}
         return sorted(q.name.lower() for q in kept)
+
+    def classifier(self) -> torch.Tensor | None:
+        """A reranker's head (CLASSIFIER, [labels, hidden]) in float32, or None."""
+        info = self.tensors.get(CLASSIFIER)
+        if info is None:
+            return None
+        values = dequantize(np.memmap(self.path, dtype=np.uint8, mode="r"), info)
+        return torch.from_numpy(np.array(values, dtype=np.float32))
 
     def tokenizer(self) -> Tokenizer:
         """The file's tokenizer, a new one each call: read from the cache, else built from the
@@ -127,8 +138,8 @@ class GGUFCheckpoint:
         arena = hugepages.Arena(size) if keeps else None
         copies: list[tuple[int, int, int, int, int]] = []  # c_backend.copy_rows' jobs
         for name, info in sorted(self.tensors.items(), key=lambda item: _fused_order(item[0])):
-            if name == ROPE_FREQS:
-                continue  # in the config's rope factors
+            if name in NOT_LAYERS:
+                continue  # in the config's rope factors, or the classifier's head
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(name.split(".")[-2])
             heads = heads if permuted else None
             qtype = Q(info["type"]).name.lower()
@@ -162,7 +173,7 @@ class GGUFCheckpoint:
         return sum(
             i["bytes"] if keep_blocks and _keeps(i) else math.prod(i["shape"]) * dtype.itemsize
             for name, i in self.tensors.items()
-            if name != ROPE_FREQS
+            if name not in NOT_LAYERS
         )
 
     def _get(self, key: str, default: Any = None) -> Any:
@@ -368,7 +379,7 @@ def _tensor_info(path: Path, t: TensorInfo) -> dict[str, Any]:
         )
     if t.data_offset + t.n_bytes > path.stat().st_size:
         raise GGUFError(f"{path.name} is truncated: tensor {t.name} ends past its end")
-    if t.name != ROPE_FREQS:
+    if t.name not in NOT_LAYERS:
         _hf_name(t.name)  # refuses a tensor that is not part of a Llama
     shape = [int(d) for d in reversed(t.shape)]  # GGUF lists its dims innermost first
     return {"type": int(t.tensor_type), "shape": shape, "offset": int(t.data_offset),

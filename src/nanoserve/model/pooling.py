@@ -31,7 +31,8 @@ REFUSED_FLAGS = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                  "pooling_mode_weightedmean_tokens")  # fmt: skip
 # llama.cpp's LLAMA_POOLING_TYPE_*: those that give one vector, and those refused.
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "lasttoken"}
-GGUF_REFUSED = {0: "NONE (a vector per token)", 4: "RANK (a reranker's score)"}
+GGUF_RANK = 4  # a reranker's score: a decoder's classifier head on its last token
+GGUF_REFUSED = {0: "NONE (a vector per token)", GGUF_RANK: "RANK (a reranker's score)"}
 ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
                "torch.nn.modules.linear.Identity": "identity"}  # fmt: skip
 
@@ -79,14 +80,19 @@ def read_pooling(path: str | Path, default_mode: str) -> Pooling:
     return replace(default, mode=mode, normalize=normalize)
 
 
-def gguf_pooling(meta: dict[str, Any], default_mode: str, file: str) -> Pooling:
+def gguf_pooling(
+    meta: dict[str, Any], default_mode: str, file: str, ranks: bool = False
+) -> Pooling:
     """A GGUF's pooling: its `<arch>.pooling_type` (else `default_mode`), normalized as
     llama.cpp's server normalizes embeddings (the file does not say whether the checkpoint had a
-    Normalize module). CheckpointError naming the key for a type that is not implemented."""
+    Normalize module); RANK where `ranks` (a decoder's: the last token, for the classifier head).
+    CheckpointError naming the key for a type that is not implemented."""
     key = f"{meta.get('general.architecture')}.pooling_type"
     value = meta.get(key)
     if value is None:
         return Pooling(default_mode, True)
+    if value == GGUF_RANK and ranks:
+        return Pooling("lasttoken", False)
     if value not in GGUF_POOLING:
         what = GGUF_REFUSED.get(value, "unknown")
         raise CheckpointError(f"{file}: {key} = {value!r}, {what}, is not implemented (1 MEAN, "

@@ -12,13 +12,18 @@ either skip where it is absent).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nanoserve.env import cache_dir
+
+if TYPE_CHECKING:
+    from nanoserve.tokenizer import Tokenizer
 
 SDIST = "llama-cpp-python==0.3.36"
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* of the quantizations people download.
@@ -84,6 +89,25 @@ def convert(model_dir: Path, out: Path, outtype: str = "f32", pre: str | None = 
     if done.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-2000:]}")
     return out
+
+
+def smollm2_vocabulary() -> Tokenizer:
+    """SmolLM2's tokenizer (the default model's file), whose pre-tokenizer the converter knows:
+    the vocabulary of the checkpoints tests and benchmarks convert."""
+    from nanoserve.default_model import default_model_path
+    from nanoserve.model.gguf_file import GGUFCheckpoint
+
+    return GGUFCheckpoint(default_model_path()).tokenizer()
+
+
+def write_vocabulary(model_dir: Path, vocab: Tokenizer) -> None:
+    """vocab as model_dir's tokenizer, as the converter reads it: tokenizer.json, and a
+    tokenizer_config.json naming the fast class (else transformers picks the family's own) and
+    SmolLM2's chat markers as BOS and EOS."""
+    (model_dir / "tokenizer.json").write_text(vocab.backend_json())
+    special = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+               "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(special))
 
 
 def quantizer_available() -> bool:
