@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from nanoserve.config import HfOverrides, SettingError
 from nanoserve.model.config import SEQUENCE_CLASSIFIERS, CheckpointError, read_json
-from nanoserve.model.gguf_file import CLASSIFIER, GGUFCheckpoint
+from nanoserve.model.gguf_file import CLASSIFIER, GGUFCheckpoint, dequantize
 from nanoserve.model.loader import checkpoint_files
 from nanoserve.model.pooling import GGUF_RANK
 from nanoserve.tokenizer import Tokenizer
@@ -62,8 +63,12 @@ def gguf_classifier_head(checkpoint: GGUFCheckpoint) -> torch.Tensor | None:
     hidden], output_labels ["yes", "no"]: the head is their difference, the score sigmoid(yes -
     no), llama.cpp's softmax at "yes" and the directory's under --hf-overrides. A one-row head is
     the logit as it is; any other refused by name."""
-    arch = checkpoint.meta["general.architecture"]
-    head, name = checkpoint.classifier(), checkpoint.path.name
+    arch, name = checkpoint.meta["general.architecture"], checkpoint.path.name
+    info = checkpoint.tensors.get(CLASSIFIER)
+    head = None
+    if info is not None:
+        values = dequantize(np.memmap(checkpoint.path, dtype=np.uint8, mode="r"), info)
+        head = torch.from_numpy(np.array(values, dtype=np.float32))
     if checkpoint.meta.get(f"{arch}.pooling_type") != GGUF_RANK:
         if head is not None:
             raise CheckpointError(f"{name}: {CLASSIFIER} without {arch}.pooling_type = RANK")

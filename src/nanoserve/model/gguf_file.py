@@ -7,11 +7,10 @@ mixtures of experts `qwen3moe`, `gpt-oss` (model/gguf_gpt_oss.py) and `llama` wi
 (Mixtral), whose experts are 3-D tensors ([experts, rows, columns]) kept in their blocks as one
 run of rows, expert after expert; any other architecture, tensor type or tokenizer is refused.
 
-The header is read by model/gguf_header.py. What it yields that takes time to rebuild (scalar
-metadata, the tensor table, the built tokenizer) is kept under the cache directory
-(model/gguf_cache.py), so that only a file's first load parses its vocabulary; the tokenizer is
-built when it is asked for (the engine asks while the KV cache is written). Matrices in a format
-the CPU kernels take are copied once from a memory map of the file into huge pages; the rest are
+The header is read by model/gguf_header.py. The scalar metadata, the tensor table and the built
+tokenizer are cached (model/gguf_cache.py): only a file's first load parses its vocabulary; the
+tokenizer is built when asked for (while the KV cache is written). Matrices in a format the CPU
+kernels take are copied once from a memory map of the file into huge pages; the rest are
 de-quantized by the `gguf` package (llama.cpp's own de-quantizers) into the engine's dtype.
 """
 
@@ -67,8 +66,7 @@ GEMMA_NAMES = {**LAYER_NAMES, **{g: h for _, t in LAYER
                                  for g, h in zip(t.gguf, t.renamed[1], strict=True)}}  # fmt: skip
 TOP_NAMES = {g: h for _, t in MODEL for g, h in zip(t.gguf, t.hf, strict=True)}
 ROPE_FREQS = "rope_freqs.weight"
-# A reranker's head (pooling_type RANK), which model/decoder_classifier.py reads, not the decoder.
-CLASSIFIER = "cls.output.weight"
+CLASSIFIER = "cls.output.weight"  # a reranker's head (RANK pooling): model/decoder_classifier.py
 NOT_LAYERS = (ROPE_FREQS, CLASSIFIER)
 
 
@@ -91,14 +89,6 @@ class GGUFCheckpoint:
         """The formats of the file's matrices that the CPU kernels take as they are."""
         kept = {Q(i["type"]) for i in self.tensors.values() if _keeps(i)}
         return sorted(q.name.lower() for q in kept)
-
-    def classifier(self) -> torch.Tensor | None:
-        """A reranker's head (CLASSIFIER, [labels, hidden]) in float32, or None."""
-        info = self.tensors.get(CLASSIFIER)
-        if info is None:
-            return None
-        values = dequantize(np.memmap(self.path, dtype=np.uint8, mode="r"), info)
-        return torch.from_numpy(np.array(values, dtype=np.float32))
 
     def tokenizer(self) -> Tokenizer:
         """The file's tokenizer, a new one each call: read from the cache, else built from the
