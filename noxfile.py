@@ -63,6 +63,7 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")  # compiles llama-cpp-python the first time (minutes)
     session.install(*DEFAULT_MODEL)
     session.run("python", "-m", "bench.bench_kernels", *session.posargs)
+    session.run("python", "-m", "bench.bench_elementwise")  # gated MLP and RoPE against torch
     session.run("python", "-m", "bench.bench_engine")
     session.run("python", "-m", "bench.bench_engine", "--dtype", "bfloat16", "--skip-serial")
     session.run("python", "-m", "bench.plot")  # bench_engine.py writes JSON only
@@ -73,6 +74,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "bench.bench_kquants")
     session.run("python", "-m", "bench.bench_context")  # depth and prompt processing vs llama.cpp
     session.run("python", "-m", "bench.bench_moe_llamacpp")  # Qwen3-30B-A3B's layers vs llama.cpp
+    session.run("python", "-m", "bench.bench_moe_llamacpp", "--family", "gpt-oss")  # gpt-oss-20b's
     # Embeddings: BERT-base and Qwen3-Embedding-0.6B shapes vs sentence-transformers, llama.cpp
     session.run("python", "-m", "bench.bench_embeddings")
     session.run("python", "-m", "bench.bench_tp")  # one process against two (tensor parallelism)
