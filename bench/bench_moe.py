@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from bench.machine import cpu_model, median_ms
-from nanoserve.kernels import quantize
+from nanoserve.kernels import quantize, route_experts
 from nanoserve.model.linear import Linear
-from nanoserve.model.moe import Experts, route, sparse_moe
+from nanoserve.model.moe import Experts, sparse_moe
 
 HIDDEN, EXPERT, EXPERTS, TOP_K = 2048, 768, 32, 8
 RESULTS = Path(__file__).parent / "results"
@@ -38,7 +38,7 @@ def experts(rows: int, columns: int, qtype: str, gen: torch.Generator) -> Expert
 
 def token_by_token(x, router, gate, up, down) -> torch.Tensor:
     """The block computed for each token alone: the reference it is measured against."""
-    weights, chosen = route(router(x), TOP_K, True)
+    weights, chosen = route_experts(router(x), TOP_K, True)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         xt = x[t : t + 1]

@@ -1,8 +1,8 @@
 """Mixtures of experts (model/moe.py): random Qwen3-MoE and Mixtral checkpoints written by
 transformers give its greedy ids (with prefix caching, chunked prefill and preemption) and its
 prompt logprobs, also where two experts tie for a token's last place, and at two ranks, each
-keeping half the experts; what this tranche leaves out (dense layers among sparse ones, the
-one-call C step) is refused by name or falls back."""
+keeping half the experts; the one-call C step gives the layer-by-layer path's bits; what is left
+out (dense layers among sparse ones) is refused by name."""
 
 import json
 
@@ -77,7 +77,7 @@ def test_routing_at_ties_is_transformers(family):
     """Experts 1 and 2 have the same router row, so every token scores them equally; with expert
     0 scored above both for some tokens, they tie for the second and last place: the choice (and
     each weight) is transformers' router's, expert by expert."""
-    from nanoserve.model.moe import route
+    from nanoserve.kernels import route_experts
 
     _, config = MOE["qwen3_moe" if family == "qwen3_moe" else "mixtral"]
     cfg = transformers.AutoConfig.for_model(family, hidden_size=64, **config)
@@ -95,8 +95,8 @@ def test_routing_at_ties_is_transformers(family):
     with torch.no_grad():
         router.weight.copy_(weight)
         _, ref_weights, ref_experts = router(x)
-    ours_weights, ours_experts = route(x @ weight.T, cfg.num_experts_per_tok, family == "mixtral"
-                                       or cfg.norm_topk_prob)  # fmt: skip
+    normalize = family == "mixtral" or cfg.norm_topk_prob
+    ours_weights, ours_experts = route_experts(x @ weight.T, cfg.num_experts_per_tok, normalize)
     ties = (ref_experts == 1).any(-1) & ~(ref_experts == 2).any(-1)
     assert ties.sum() > 0, "some token was meant to tie experts 1 and 2 for its last place"
     assert torch.equal(ours_experts, ref_experts)
@@ -163,15 +163,50 @@ def test_two_ranks_each_keeping_half_the_experts_equal_transformers(moe_dir, nam
     assert [list(o.outputs[0].token_ids) for o in outs] == _reference(model_dir, prompts)
 
 
-def test_batch_one_decodes_layer_by_layer(moe_dir, caplog):
-    """The one-call C step has no MoE layers yet: such a model decodes layer by layer, and says
-    so."""
+@pytest.mark.parametrize(("experts", "k"), [(4, 2), (8, 2), (60, 4), (128, 8), (128, 2), (512, 10)])
+def test_the_routing_kernel_chooses_torch_topk_experts_at_ties(experts, k):
+    """torch.topk is no stable sort: at equal scores its choice is libstdc++'s nth_element's (or
+    partial_sort's, where k * 64 <= experts). The C routing, which both paths take on a CPU,
+    makes the same choice, in the same order, over rows of few distinct logits (ties everywhere)."""
+    from nanoserve.kernels import route_experts
+
+    g = torch.Generator().manual_seed(experts + k)
+    for levels in (2, 3, 7, 1000):
+        logits = torch.randint(0, levels, (300, experts), generator=g).float() * 0.37
+        weights, chosen = route_experts(logits, k, normalize=False)
+        ref_weights, ref_chosen = torch.topk(torch.softmax(logits, -1), k)
+        assert torch.equal(chosen, ref_chosen), levels
+        torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_one_call_step_gives_the_layer_by_layer_bits(moe_dir, monkeypatch, name):
+    """In float32, decode steps of up to 4 rows run the experts in the one-call C step
+    (kernels/csrc/moe.c) with the layer-by-layer path's routing and kernels: the same ids and
+    logprobs, bit for bit, at batch 1 and 3."""
+    from test_cpu_step import _generate
+
+    prompts = _prompts(500)[:3]
+    for batch in (1, 3):
+        ours, theirs = (_generate(moe_dir(name), "float32", one_call, prompts[:batch], monkeypatch)
+                        for one_call in (True, False))  # fmt: skip
+        assert _bits(ours) == _bits(theirs)
+
+
+def _bits(generated):
+    return [(ids, [{t: p.logprob for t, p in step.items()} for step in steps])
+            for ids, steps in generated]  # fmt: skip
+
+
+def test_bfloat16_experts_decode_layer_by_layer(moe_dir, caplog):
+    """The C step's experts take float32: in bfloat16 a MoE model decodes layer by layer, and
+    says so."""
     import logging
 
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(moe_dir("mixtral")))
+        llm = LLM(str(moe_dir("mixtral")), dtype="bfloat16")
     assert llm.engine.runner.cpu_step is None
-    assert "mixture-of-experts layers" in caplog.text
+    assert "mixture-of-experts layers in bfloat16" in caplog.text
 
 
 # -- GGUF files from llama.cpp's own converter and quantizer -------------------------------------
@@ -306,6 +341,24 @@ def test_a_quantized_gguf_keeps_its_experts_in_their_blocks(converted, tmp_path,
     assert kept == floats
 
 
+@pytest.mark.parametrize("name", CONVERTED)
+def test_a_quantized_gguf_decodes_in_the_one_call_step_bit_for_bit(
+    converted, tmp_path, monkeypatch, name
+):
+    """Q4_K_M experts (gate and up one C call, down another format) in the C step: the
+    layer-by-layer path's ids and logprobs, bit for bit."""
+    from test_cpu_step import _generate
+
+    from nanoserve.testing.llamacpp_convert import quantize, quantizer_available
+
+    if not quantizer_available():
+        pytest.skip("llama.cpp's quantizer (llama-cpp-python) is not installed")
+    path = quantize(converted(name)[1], tmp_path / "q4_k_m.gguf", "Q4_K_M")
+    ours, theirs = (_generate(path, "float32", one_call, GGUF_PROMPTS, monkeypatch)
+                    for one_call in (True, False))  # fmt: skip
+    assert _bits(ours) == _bits(theirs)
+
+
 def test_a_float_gguf_quantized_at_load_quantizes_its_experts(converted):
     """quantization="q8_0" on llama.cpp's F32 file: its stacked experts tensors are quantized
     too (one run of q8_0 blocks each, not float32 beside q8_0 attention), to the blocks the
@@ -400,3 +453,30 @@ def test_ngram_speculation_gives_the_same_ids(moe_dir):
     drafts = llm.engine.stats().spec_decode
     assert drafts.num_drafts > 0 and drafts.num_accepted_tokens > 0
     llm.engine.audit()
+
+
+def test_the_c_step_refuses_experts_without_their_sizes(moe_dir):
+    """A table of MoE layers run without the experts' sizes (or a dense MLP missing) is a
+    ValueError naming the layer, not a read of absent weights."""
+    from nanoserve.kernels import c_backend
+
+    llm = LLM(str(moe_dir("mixtral")), dtype="float32")
+    runner = llm.engine.runner
+    model, k = runner.model, runner.kv_caches[0][0]
+    c = model.config
+    args = dict(num_blocks=k.shape[0], block_size=k.shape[2], heads=c.num_heads,
+                kv_heads=c.num_kv_heads, intermediate=c.intermediate_size, eps=1e-5,
+                scale=model.scale)  # fmt: skip
+    table = runner.cpu_step.layer_table(runner.kv_caches, torch.float32)
+    h = torch.zeros(1, c.hidden_size)
+    one = (torch.tensor([0]), torch.tensor([0]), model.cos, model.sin,
+           torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"layers\[0\] has experts, but the step has no expert"):
+        c_backend.decode_layers(h, table, *one, **args)
+    sizes = (c.num_experts, c.experts_per_token, c.expert_size, c.norm_topk_prob)
+    c_backend.decode_layers(h, table, *one, **args, moe=sizes)  # the same call, with them
+    dense = [{**w, "router": (0, 0)} for w in runner.cpu_step.weights]
+    layers = [{**w, "k_cache": (kv.data_ptr(), 0), "v_cache": (vv.data_ptr(), 0)}
+              for w, (kv, vv) in zip(dense, runner.kv_caches, strict=True)]  # fmt: skip
+    with pytest.raises(ValueError, match=r"layers\[0\] needs gate_up and down, or a router"):
+        c_backend.decode_layers(h, c_backend.layer_table(layers), *one, **args, moe=sizes)

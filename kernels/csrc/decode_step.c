@@ -24,6 +24,11 @@
  * matrices are the row-concatenations of their parts' blocks; where the parts are in different
  * formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K) the matrix comes as its parts, each in its
  * own format, multiplied one after the other into their columns of one output.
+ *
+ * A layer with a router has a mixture of experts in place of its MLP (Qwen3-MoE, Mixtral; float32
+ * activations): its router's logits by the step's matmul, the rest by moe.c, which the
+ * layer-by-layer path's routing shares. Its experts, floats or GGUF blocks, take the step's rows
+ * as the matrices do (more than NS_GEMV_ROWS in blocks only).
  */
 #include "nanoserve.h"
 
@@ -55,7 +60,8 @@ typedef struct {
  * cache, k_cache and v_cache [num_blocks, kv_heads, block_size, head_dim] of the table's
  * cache_dtype. */
 typedef struct {
-    step_tensor input_norm, qkv, o, post_norm, gate_up, down;
+    step_tensor input_norm, qkv, o, post_norm, gate_up, down;     /* gate_up, down NULL: experts */
+    step_tensor router, experts_gate, experts_up, experts_down;   /* NULL: a dense MLP */
     step_tensor qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm; /* NULL: absent */
     step_tensor attn_out_norm, mlp_out_norm;                               /* NULL: absent */
     step_tensor k_cache, v_cache;
@@ -73,6 +79,10 @@ static const struct {
     {"post_norm", offsetof(layer_weights, post_norm), 0},
     {"gate_up", offsetof(layer_weights, gate_up), 1},
     {"down", offsetof(layer_weights, down), 1},
+    {"router", offsetof(layer_weights, router), 1},
+    {"experts_gate", offsetof(layer_weights, experts_gate), 1},
+    {"experts_up", offsetof(layer_weights, experts_up), 1},
+    {"experts_down", offsetof(layer_weights, experts_down), 1},
     {"qkv_bias", offsetof(layer_weights, qkv_bias), 0},
     {"o_bias", offsetof(layer_weights, o_bias), 0},
     {"gate_up_bias", offsetof(layer_weights, gate_up_bias), 0},
@@ -112,15 +122,21 @@ typedef struct {
     int gelu; /* the MLP's activation: GELU-tanh, else SiLU */
     decode_args attn; /* out, q, caches and window set per layer */
     Py_ssize_t rows, hidden, heads, kv_heads, head_dim, intermediate;
+    /* A mixture of experts (the layers with a router): experts, each token's top_k of them, each
+     * expert's intermediate size, whether the top k's weights are renormalized. */
+    Py_ssize_t experts, top_k, expert_size;
+    int normalize;
     float eps;
     int dtype, threads;
 } step_args;
 
 /* run_layers' scratch, in elements of the model dtype: x [rows, hidden] (a normed h), o [rows,
  * hidden] (a projection back to hidden), qkv [rows, (heads + 2 kv_heads) head_dim], q and attn
- * [rows, heads head_dim], gate_up [rows, 2 intermediate], act [rows, intermediate]. */
+ * [rows, heads head_dim], gate_up [rows, 2 intermediate], act [rows, intermediate], logits
+ * [rows, experts] (float32: a router's). */
 typedef struct {
     char *x, *o, *qkv, *q, *attn, *gate_up, *act;
+    float *logits;
 } step_scratch;
 
 /* out [rows, N] = x [rows, K] times the transpose of matrix m: the float GEMV, or the quantized
@@ -182,7 +198,8 @@ static char *scratch_alloc(const step_args *s, step_scratch *b) {
     const Py_ssize_t M = s->rows, q_width = s->heads * s->head_dim;
     const Py_ssize_t n_x = M * s->hidden, n_qkv = M * (q_width + 2 * s->kv_heads * s->head_dim);
     const Py_ssize_t n_q = M * q_width, n_gu = M * 2 * s->intermediate, n_act = M * s->intermediate;
-    char *base = malloc((size_t)(2 * n_x + n_qkv + 2 * n_q + n_gu + n_act) * es);
+    const size_t n_logits = (size_t)(M * s->experts) * sizeof(float);
+    char *base = malloc((size_t)(2 * n_x + n_qkv + 2 * n_q + n_gu + n_act) * es + n_logits);
     if (!base) return NULL;
     b->x = base;
     b->o = b->x + n_x * es;
@@ -191,6 +208,7 @@ static char *scratch_alloc(const step_args *s, step_scratch *b) {
     b->attn = b->q + n_q * es;
     b->gate_up = b->attn + n_q * es;
     b->act = b->gate_up + n_gu * es;
+    b->logits = (float *)(b->act + n_act * es);
     return base;
 }
 
@@ -255,6 +273,21 @@ static int mlp_half(const step_args *s, const step_scratch *b, const layer_weigh
     return rc;
 }
 
+/* The mixture of experts in place of layer w's MLP (float32 activations; model/moe.py):
+ * h += moe(post_norm(h)), its router's logits by the step's matmul. */
+static int moe_half(const step_args *s, const step_scratch *b, const layer_weights *w) {
+    const Py_ssize_t M = s->rows, H = s->hidden;
+    nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
+    int rc = matmul(s, &w->router, b->logits, b->x, s->experts, H);
+    const moe_weights m = {w->experts_gate.data, w->experts_up.data, w->experts_down.data,
+                           w->experts_gate.format, w->experts_up.format, w->experts_down.format,
+                           s->experts, s->top_k, s->expert_size, s->normalize};
+    rc |= nanoserve_moe((float *)b->o, (const float *)b->x, b->logits, M, H, &m, s->threads);
+    norm_out(s, b->o, &w->mlp_out_norm);
+    add_into(s->h, b->o, M * H, s->dtype);
+    return rc;
+}
+
 /* Runs with the GIL released; 0, or -1 when out of memory. */
 static int run_layers(const step_args *s) {
     step_scratch b;
@@ -264,7 +297,7 @@ static int run_layers(const step_args *s) {
     for (Py_ssize_t l = 0; l < s->table->num_layers && rc == 0; l++) {
         const layer_weights *w = &s->table->layers[l];
         rc |= attention_half(s, &b, w, l);
-        rc |= mlp_half(s, &b, w);
+        rc |= w->router.data ? moe_half(s, &b, w) : mlp_half(s, &b, w);
     }
     free(base);
     return rc;
@@ -277,18 +310,19 @@ static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
                              "block_tables", "context_lens", "max_blocks_per_seq", "block_size",
                              "num_blocks", "rows", "hidden", "heads", "kv_heads", "head_dim",
                              "intermediate", "eps", "scale", "dtype_code", "num_threads", "windows",
-                             "local_cos", "local_sin", "gelu", NULL};
+                             "local_cos", "local_sin", "gelu", "experts", "top_k", "expert_size",
+                             "normalize", NULL};
     unsigned long long h, positions, slots, cos, sin, tables, lens;
     unsigned long long windows = 0, local_cos = 0, local_sin = 0;
     PyObject *layers;
     decode_args *a = &s->attn;
     double scale;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "KOKKKKnKKnnnnnnnnnfdii|KKKp", kwlist, &h, &layers, &positions, &slots,
+            args, kwargs, "KOKKKKnKKnnnnnnnnnfdii|KKKpnnnp", kwlist, &h, &layers, &positions, &slots,
             &cos, &sin, table_rows, &tables, &lens, &a->max_blocks_per_seq, &a->block_size,
             &a->num_blocks, &s->rows, &s->hidden, &s->heads, &s->kv_heads, &s->head_dim,
             &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads, &windows, &local_cos,
-            &local_sin, &s->gelu))
+            &local_sin, &s->gelu, &s->experts, &s->top_k, &s->expert_size, &s->normalize))
         return -1;
     if (windows && (!local_cos || !local_sin)) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: windows come with local_cos, local_sin");
@@ -325,7 +359,8 @@ static int check_sizes(const step_args *s) {
     if (s->rows < 1 || s->rows > NS_STEP_ROWS || (s->dtype != NS_F32 && s->dtype != NS_BF16) ||
         s->hidden < 1 || s->heads < 1 || s->kv_heads < 1 || s->heads % s->kv_heads ||
         s->head_dim < 2 || s->head_dim % 2 || !ns_cache_ok(a->cache_dtype, s->head_dim) ||
-        s->intermediate < 1 || a->block_size < 1 ||
+        s->intermediate < 1 || a->block_size < 1 || s->experts < 0 ||
+        (s->experts && (s->top_k < 1 || s->top_k > s->experts || s->expert_size < 1)) ||
         a->num_blocks < 1 || a->max_blocks_per_seq < 1 || s->threads < 1) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: inconsistent sizes or dtype code");
         return -1;
@@ -353,6 +388,7 @@ static Py_ssize_t matrix_rows(const step_args *s, int f) {
     if (at == offsetof(layer_weights, qkv)) return (s->heads + 2 * s->kv_heads) * s->head_dim;
     if (at == offsetof(layer_weights, gate_up)) return 2 * s->intermediate;
     if (at == offsetof(layer_weights, o) || at == offsetof(layer_weights, down)) return s->hidden;
+    if (at == offsetof(layer_weights, router)) return s->experts;
     return 0;
 }
 
@@ -377,14 +413,16 @@ static int check_parts(const step_args *s) {
  * (the quantized matmuls take float32), or a float matrix with more rows than the GEMV takes. */
 static int check_formats(const step_args *s) {
     for (Py_ssize_t l = 0; s->rows > NS_GEMV_ROWS && l < s->table->num_layers; l++)
-        for (int f = 0; f < NUM_FIELDS; f++)
-            if (FIELDS[f].blocks && !field_of(&s->table->layers[l], f)->format) {
+        for (int f = 0; f < NUM_FIELDS; f++) {
+            const step_tensor *t = field_of(&s->table->layers[l], f);
+            if (FIELDS[f].blocks && t->data && !t->format) {
                 PyErr_Format(PyExc_ValueError,
                              "decode_layers: %zd rows, more than %d, need every matrix in GGUF "
                              "blocks; layers[%zd].%s is in floats",
                              s->rows, NS_GEMV_ROWS, l, FIELDS[f].name);
                 return -1;
             }
+        }
     for (Py_ssize_t l = 0; s->dtype != NS_F32 && l < s->table->num_layers; l++)
         for (int f = 0; f < NUM_FIELDS; f++) {
             const int format = field_of(&s->table->layers[l], f)->format;
@@ -399,12 +437,33 @@ static int check_formats(const step_args *s) {
     return 0;
 }
 
+/* 0, or -1 with a ValueError set when a layer has neither a whole dense MLP nor a whole mixture
+ * of experts, or has experts where the step has no expert sizes or bfloat16 activations. */
+static int check_mlps(const step_args *s) {
+    for (Py_ssize_t l = 0; l < s->table->num_layers; l++) {
+        const layer_weights *w = &s->table->layers[l];
+        const int dense = w->gate_up.data && w->down.data, moe = w->router.data &&
+                          w->experts_gate.data && w->experts_up.data && w->experts_down.data;
+        const char *why = dense == moe  ? "needs gate_up and down, or a router and its experts"
+                          : !moe         ? NULL
+                          : !s->experts  ? "has experts, but the step has no expert sizes"
+                          : s->dtype != NS_F32 ? "has experts, which need float32 activations"
+                                               : NULL;
+        if (why) {
+            PyErr_Format(PyExc_ValueError, "decode_layers: layers[%zd] %s", l, why);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 PyObject *nanoserve_py_decode_layers(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     step_args s = {0}; /* attn.window 0: the C step runs no sliding window */
     Py_ssize_t table_rows;
     if (parse_step_args(args, kwargs, &s, &table_rows) < 0 || check_sizes(&s) < 0 ||
-        check_formats(&s) < 0 || check_parts(&s) < 0 || check_caches(&s) < 0 ||
+        check_formats(&s) < 0 || check_parts(&s) < 0 || check_mlps(&s) < 0 ||
+        check_caches(&s) < 0 ||
         nanoserve_check_positions(s.positions, s.rows, table_rows) < 0 ||
         nanoserve_check_slots(s.slots, s.rows, 1,
                               (int64_t)s.attn.num_blocks * s.attn.block_size) < 0 ||

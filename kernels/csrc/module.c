@@ -1,6 +1,6 @@
 /* The module nanoserve.kernels._C: its method table and constants. The entry points live beside
  * their kernels (paged_attention.c, prefill_attention.c, linear.c, norm_rope.c, decode_step.c,
- * quant.c, quant_experts.c, quant_convert.c, copy_rows.c); each takes its arguments by keyword
+ * quant.c, quant_experts.c, moe.c, quant_convert.c, copy_rows.c); each takes its arguments by keyword
  * (kernels/python/c_backend.py names every one), pointers as ints. */
 #include "quant.h"
 
@@ -52,7 +52,8 @@ static PyMethodDef methods[] = {
      "decode_layers(h, layers, positions, slots, cos, sin, table_rows, block_tables, "
      "context_lens, max_blocks_per_seq, block_size, num_blocks, rows, hidden, heads, kv_heads, "
      "head_dim, intermediate, eps, scale, dtype_code, num_threads, windows=0, local_cos=0, "
-     "local_sin=0, gelu=False): a decode step of up to "
+     "local_sin=0, gelu=False, experts=0, top_k=0, expert_size=0, normalize=False): a decode "
+     "step of up to "
      "GEMV_ROWS rows through every layer, h updated in place; layers: what layer_table returns; "
      "pointers as ints."},
     {"layer_table", KW_FUNCTION(nanoserve_py_layer_table), METH_VARARGS | METH_KEYWORDS,
@@ -75,11 +76,15 @@ static PyMethodDef methods[] = {
      "float32 times the transpose of w, N rows of GGUF blocks of GGML type qtype (BLOCK_FORMATS), "
      "x quantized per block to int16; pointers as ints."},
     {"quant_experts", KW_FUNCTION(nanoserve_py_quant_experts), METH_VARARGS | METH_KEYWORDS,
-     "quant_experts(outs, ws, x, T, rows, P, groups, G, E, N, K, qtype, num_threads): for each "
-     "of 1-2 weights ws[i] (E experts' [N, K] matrices of GGUF blocks, one after another) outs[i] "
-     "[P, N] float32, row p = x[rows[p]] (x [T, K] float32; rows int64 [P], or 0: x[p]) times "
+     "quant_experts(outs, ws, x, T, rows, P, groups, G, E, N, K, qtype, num_threads, ldo=N): for "
+     "each of 1-2 weights ws[i] (E experts' [N, K] matrices of GGUF blocks, one after another) "
+     "outs[i] [P, N] float32 (rows ldo apart), row p = x[rows[p]] (x [T, K] float32; rows int64 [P], or 0: x[p]) times "
      "expert e's matrix transposed for p in each group (e, start, count) of groups int64 [G, 3]; "
      "rows bitwise quant_linear's; pointers as ints (outs and ws tuples of them)."},
+    {"moe_route", KW_FUNCTION(nanoserve_py_moe_route), METH_VARARGS | METH_KEYWORDS,
+     "moe_route(logits, T, E, k, normalize, weights, experts): each of T rows of router logits "
+     "[T, E] float32: its softmax's top k (ties to the lower index), weights [T, k] float32 "
+     "(renormalized where normalize) and experts [T, k] int64; pointers as ints."},
     {"quantize", KW_FUNCTION(nanoserve_py_quantize), METH_VARARGS | METH_KEYWORDS,
      "quantize(out, w, N, K, qtype, num_threads): w [N, K] float32 into N rows of GGUF blocks, "
      "the bytes of gguf.quants.quantize."},

@@ -368,6 +368,38 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
  * the thread count). 0, or -1 when out of memory. */
 int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const void *w, Py_ssize_t M,
                            Py_ssize_t N, Py_ssize_t K, int qtype, int num_threads);
+/* quant_experts.c: outs[i] [P, N] float32 (row p at outs[i] + p ldo) = x[rows[p]] (x[p] where rows
+ * is NULL) times the transpose of expert e's matrix of ws[i] (experts [E * N, K] of GGUF blocks
+ * of GGML type qtype, expert after expert), for each group (e, start, count) of groups [G, 3]
+ * and p in [start, start + count); x [T, K] float32; nw 1 or 2 weights of one format. Each
+ * output bitwise nanoserve_quant_matmul's. 0, or -1 when out of memory. */
+int nanoserve_quant_experts(float *const outs[], Py_ssize_t ldo, const char *const ws[], int nw,
+                            const float *x, Py_ssize_t T, const int64_t *rows, Py_ssize_t P,
+                            const int64_t *groups, Py_ssize_t G, Py_ssize_t N, Py_ssize_t K,
+                            int qtype, int num_threads);
+
+/* moe.c: the routing of a mixture of experts, for each of T rows of router logits [T, E]: the
+ * softmax in float32, the top k (at equal scores the experts torch.topk chooses), their
+ * weights renormalized to sum to 1 where normalize; weights [T, k] float32, experts [T, k]. 0,
+ * or -1 when out of memory. */
+int nanoserve_moe_route(const float *logits, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k,
+                         int normalize, float *weights, int64_t *experts);
+
+/* A sparse mixture-of-experts block's weights (Qwen3-MoE, Mixtral): each projection's experts
+ * one after another, floats (format 0: float32 [E, N, K]) or GGUF blocks of that GGML type. */
+typedef struct {
+    const void *gate, *up, *down;
+    int gate_format, up_format, down_format;
+    Py_ssize_t experts, top_k, inter;
+    int normalize;
+} moe_weights;
+
+/* moe.c: out [M, H] float32 = the block's output for x [M, H] float32 (normed) whose router
+ * logits [M, E] are given: model/moe.py's sparse_moe in float32, bitwise. Float experts take
+ * the GEMV: at most NS_GEMV_ROWS rows of an expert. 0, or -1 when out of memory. */
+int nanoserve_moe(float *out, const float *x, const float *logits, Py_ssize_t M, Py_ssize_t H,
+                  const moe_weights *w, int num_threads);
+
 /* Bytes of one block of the format with GGML type id qtype, or 0 for no format. */
 size_t nanoserve_block_bytes(int qtype);
 
@@ -396,6 +428,7 @@ PyObject *nanoserve_py_check_slots(PyObject *self, PyObject *args, PyObject *kwa
 PyObject *nanoserve_py_check_positions(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quant_experts(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_moe_route(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_copy_rows(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_dequantize(PyObject *self, PyObject *args, PyObject *kwargs);

@@ -28,8 +28,8 @@ enum { CHUNK = 64 };
  * expert's matrix of w (N rows of row_bytes), into rows start.. of out [pairs, N]. The view
  * keeps the activations' bytes (the byte GEMV) for a group of up to NS_BYTE_ROWS rows only. */
 static ns_qmm group_matmul(const ns_xq *xq, ns_xq *view, const float *xf, const char *w,
-                           float *out, const int64_t *group, Py_ssize_t N, Py_ssize_t K,
-                           size_t row_bytes) {
+                           float *out, Py_ssize_t ldo, const int64_t *group, Py_ssize_t N,
+                           Py_ssize_t K, size_t row_bytes) {
     const Py_ssize_t expert = group[0], start = group[1], count = group[2];
     *view = *xq;
     if (xq->q) {
@@ -46,18 +46,16 @@ static ns_qmm group_matmul(const ns_xq *xq, ns_xq *view, const float *xf, const 
         view->hi = NULL;
         view->lo = NULL;
     }
-    const ns_qmm a = {out + start * N, w + (size_t)expert * (size_t)N * row_bytes, view, count,
-                      N, K, N, row_bytes, xf ? xf + start * K : NULL};
+    const ns_qmm a = {out + start * ldo, w + (size_t)expert * (size_t)N * row_bytes, view, count,
+                      N, K, ldo, row_bytes, xf ? xf + start * K : NULL};
     return a;
 }
 
-/* outs[i] [P, N] float32, row p = x[rows[p]] (x[p] where rows is NULL) times the transpose of
- * expert e's matrix of ws[i], for each group (e, start, count) of groups [G, 3] and p in
- * [start, start + count); x [T, K] float32. 0, or -1 when out of memory. */
-static int quant_experts(float *const outs[], const char *const ws[], int nw, const float *x,
-                         Py_ssize_t T, const int64_t *rows, Py_ssize_t P, const int64_t *groups,
-                         Py_ssize_t G, Py_ssize_t N, Py_ssize_t K, const ns_block_format *f,
-                         int num_threads) {
+int nanoserve_quant_experts(float *const outs[], Py_ssize_t ldo, const char *const ws[], int nw,
+                            const float *x, Py_ssize_t T, const int64_t *rows, Py_ssize_t P,
+                            const int64_t *groups, Py_ssize_t G, Py_ssize_t N, Py_ssize_t K,
+                            int qtype, int num_threads) {
+    const ns_block_format *f = ns_block_format_of(qtype);
     int path = ns_quant_path();
     if (path == NS_AMX) path = NS_AVX512_VNNI;
     const uint8_t *order = path == NS_PORTABLE ? NULL : f->pairs;
@@ -111,8 +109,8 @@ static int quant_experts(float *const outs[], const char *const ws[], int nw, co
         for (Py_ssize_t u = units * t / nt; u < units * (t + 1) / nt; u++) {
             const Py_ssize_t g = u / (nw * chunks), i = u / chunks % nw, c = u % chunks;
             ns_xq view;
-            const ns_qmm a = group_matmul(&xq, &view, xs, ws[i], outs[i], groups + 3 * g, N, K,
-                                          row_bytes);
+            const ns_qmm a = group_matmul(&xq, &view, xs, ws[i], outs[i], ldo, groups + 3 * g, N,
+                                          K, row_bytes);
             const Py_ssize_t n1 = (c + 1) * CHUNK < N ? (c + 1) * CHUNK : N;
             if (a.M > 0) kernel(&a, c * CHUNK, n1);
         }
@@ -126,22 +124,23 @@ static int quant_experts(float *const outs[], const char *const ws[], int nw, co
 PyObject *nanoserve_py_quant_experts(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     static char *kwlist[] = {"outs", "ws", "x", "T", "rows", "P", "groups", "G", "E", "N", "K",
-                             "qtype", "num_threads", NULL};
+                             "qtype", "num_threads", "ldo", NULL};
     PyObject *outs_obj, *ws_obj;
     unsigned long long x, rows, groups;
-    Py_ssize_t T, P, G, E, N, K;
+    Py_ssize_t T, P, G, E, N, K, ldo = -1;
     int qtype, num_threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!KnKnKnnnnii", kwlist, &PyTuple_Type,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!KnKnKnnnnii|n", kwlist, &PyTuple_Type,
                                      &outs_obj, &PyTuple_Type, &ws_obj, &x, &T, &rows, &P,
-                                     &groups, &G, &E, &N, &K, &qtype, &num_threads))
+                                     &groups, &G, &E, &N, &K, &qtype, &num_threads, &ldo))
         return NULL;
     const ns_block_format *f = ns_block_format_of(qtype);
     const Py_ssize_t nw = PyTuple_GET_SIZE(ws_obj);
     if (!f || nw < 1 || nw > 2 || PyTuple_GET_SIZE(outs_obj) != nw || T < 0 || P < 0 || G < 0 ||
-        E < 1 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1) {
+        E < 1 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1 ||
+        (ldo != -1 && ldo < N)) {
         PyErr_Format(PyExc_ValueError, "quant_experts: qtype code %d, %zd weights, [T, P, G, E, N, "
-                     "K] = [%zd, %zd, %zd, %zd, %zd, %zd] or num_threads %d out of range", qtype,
-                     nw, T, P, G, E, N, K, num_threads);
+                     "K, ldo] = [%zd, %zd, %zd, %zd, %zd, %zd, %zd] or num_threads %d out of range",
+                     qtype, nw, T, P, G, E, N, K, ldo, num_threads);
         return NULL;
     }
     float *outs[2];
@@ -170,8 +169,9 @@ PyObject *nanoserve_py_quant_experts(PyObject *self, PyObject *args, PyObject *k
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS;
     if (P > 0 && N > 0)
-        rc = quant_experts(outs, ws, (int)nw, (const float *)(uintptr_t)x, T, r, P, g, G, N, K, f,
-                           num_threads);
+        rc = nanoserve_quant_experts(outs, ldo == -1 ? N : ldo, ws, (int)nw,
+                                     (const float *)(uintptr_t)x, T, r, P, g, G, N, K, qtype,
+                                     num_threads);
     Py_END_ALLOW_THREADS;
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;

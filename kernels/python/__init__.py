@@ -11,7 +11,8 @@ kernels/csrc) and Triton. Imports nothing of nanoserve.
   module that was not built is an error (BackendUnavailableError), never a silent fallback.
 - The CPU decode helpers: small_linear is F.linear for a few rows (the batch-1 decode GEMV) at
   memory speed; rms_norm, rope_ and gated_mul do RMSNorm, rotary embedding and the gated MLP's
-  activation (SwiGLU or GELU-tanh) in one C call each.
+  activation (SwiGLU or GELU-tanh) in one C call each; route_experts a mixture of experts'
+  routing.
 - Matmuls on GGUF blocks (quant.py): quantized_linear multiplies by a matrix kept in one of
   llama.cpp's block formats (QUANT_TYPES, the C module's table of formats) on the CPU's best
   instruction set (cpu_isa()), its input rounded to int16 (ACTIVATIONS); expert_linear does it
@@ -30,6 +31,7 @@ from .api import (
     paged_attention_prefill,
     rms_norm,
     rope_,
+    route_experts,
     small_linear,
     store_kv,
 )
@@ -71,6 +73,7 @@ __all__ = [
     "quantized_linear",
     "rms_norm",
     "rope_",
+    "route_experts",
     "gated_mul",
     "small_linear",
     "store_kv",

@@ -266,6 +266,28 @@ def gated_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     return out
 
 
+def route_experts(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing of router logits [tokens, experts]: (weights [tokens, top_k]
+    float32, experts [tokens, top_k] int64), the top k of the logits' softmax in float32 (at equal
+    scores the lower index first, as torch.topk), renormalized to sum to 1 where normalize.
+
+    On a CPU the C kernel, which the one-call C decode step uses too (the same bits whichever path
+    a row's step takes); anything else to torch.
+    """
+    _check_tensor("logits", logits, "[tokens, experts]")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, {logits.shape[1]}], got {top_k}")
+    if logits.device.type != "cpu" or not c_backend.enabled():
+        return torch_ref.route_experts(logits, top_k, normalize)
+    logits = logits.float().contiguous()
+    weights = torch.empty((logits.shape[0], top_k), dtype=torch.float32)
+    experts = torch.empty((logits.shape[0], top_k), dtype=torch.int64)
+    c_backend.route_experts(logits, top_k, normalize, weights, experts)
+    return weights, experts
+
+
 def _cpu_ops(x: torch.Tensor) -> ModuleType:
     """The C module for CPU float32/bfloat16 tensors; otherwise torch."""
     if x.device.type == "cpu" and x.dtype in SMALL_LINEAR_DTYPES and c_backend.enabled():

@@ -231,6 +231,20 @@ def quant_linear(
     )
 
 
+def route_experts(
+    logits: torch.Tensor, top_k: int, normalize: bool, weights: torch.Tensor, experts: torch.Tensor
+) -> None:
+    _C.moe_route(
+        logits=logits.data_ptr(),
+        T=logits.shape[0],
+        E=logits.shape[1],
+        k=top_k,
+        normalize=normalize,
+        weights=weights.data_ptr(),
+        experts=experts.data_ptr(),
+    )
+
+
 def quant_experts(
     outs: list[torch.Tensor],
     datas: list[torch.Tensor],
@@ -241,7 +255,7 @@ def quant_experts(
     groups: torch.Tensor,
 ) -> None:
     """outs[i][p] = x[rows[p]] @ expert e's matrix of datas[i].T for each group (e, start, count)
-    and p in [start, start + count)."""
+    and p in [start, start + count); outs of one row stride (views of one tensor, or alike)."""
     _C.quant_experts(
         outs=tuple(out.data_ptr() for out in outs),
         ws=tuple(data.data_ptr() for data in datas),
@@ -256,6 +270,7 @@ def quant_experts(
         K=x.shape[1],
         qtype=QTYPE_CODES[qtype],
         num_threads=torch.get_num_threads(),
+        ldo=outs[0].stride(0),
     )
 
 
@@ -379,10 +394,13 @@ def decode_layers(
     windows: torch.Tensor | None = None,
     local: tuple[torch.Tensor, torch.Tensor] | None = None,
     gelu: bool = False,
+    moe: tuple[int, int, int, bool] = (0, 0, 0, False),
 ) -> None:
     """Every layer of a decode step on h ([rows, hidden], in place); layers: from layer_table.
     windows: [layers] int64, a layer's sliding window (0: none), whose layers rotate by local's
-    (cos, sin), tables of cos's shape; gelu: GELU-tanh instead of SiLU."""
+    (cos, sin), tables of cos's shape; gelu: GELU-tanh instead of SiLU; moe: the mixture of
+    experts' (experts, top_k, expert_size, normalize) where layers have a router."""
+    experts, top_k, expert_size, normalize = moe
     if windows is not None:
         assert local is not None and local[0].shape == cos.shape == local[1].shape
     lc, ls = local if local is not None else (None, None)
@@ -413,4 +431,8 @@ def decode_layers(
         local_cos=0 if lc is None else lc.data_ptr(),
         local_sin=0 if ls is None else ls.data_ptr(),
         gelu=gelu,
+        experts=experts,
+        top_k=top_k,
+        expert_size=expert_size,
+        normalize=normalize,
     )

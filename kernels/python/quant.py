@@ -221,6 +221,7 @@ def expert_linear(
     num_experts: int,
     groups: torch.Tensor,
     rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """A mixture of experts' matmul, all chosen experts in one C call (llama.cpp's MUL_MAT_ID):
     for each weight of `weights` (each the num_experts matrices [N, K] of a 3-D expert tensor,
@@ -228,7 +229,9 @@ def expert_linear(
     is x[rows[p]] @ expert e's matrix.T for each group (e, start, count) of `groups` (int64
     [G, 3]) and p in [start, start + count): bitwise quantized_linear(x[rows[start:start +
     count]], e's rows). x [T, K] float32, contiguous, CPU, each of its rows quantized once;
-    rows int64 [P] (None: x's rows are the P pairs). Rows in no group are left unwritten."""
+    rows int64 [P] (None: x's rows are the P pairs). Rows in no group are left unwritten. out: a
+    float32 CPU tensor [P, len(weights) * N] (rows of unit stride, any row stride) whose columns
+    hold the outputs side by side; None: a new tensor each."""
     _check_tensor_2d("x", x, "[T, K]")
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
         raise TypeError(f"x must be a contiguous float32 CPU tensor, got {x.dtype} on {x.device}")
@@ -251,9 +254,21 @@ def expert_linear(
         raise ValueError(f"groups must be [G, 3], got {list(groups.shape)}")
     _require_c()
     pairs = x.shape[0] if rows is None else rows.shape[0]
-    outs = [
-        torch.empty((pairs, first.shape[0] // num_experts), dtype=torch.float32) for _ in weights
-    ]
+    n = first.shape[0] // num_experts
+    if out is None:
+        outs = [torch.empty((pairs, n), dtype=torch.float32) for _ in weights]
+    elif (
+        out.shape != (pairs, len(weights) * n)
+        or out.dtype != torch.float32
+        or out.device.type != "cpu"
+        or out.stride(1) != 1
+    ):
+        raise ValueError(
+            f"out must be a float32 CPU tensor [{pairs}, {len(weights) * n}] of rows of unit "
+            f"stride, got {list(out.shape)} {out.dtype} on {out.device}"
+        )
+    else:
+        outs = list(out.split(n, dim=1))
     if pairs and groups.shape[0]:
         c_backend.quant_experts(
             outs, [w.data for w in weights], first.qtype, num_experts, x, rows, groups

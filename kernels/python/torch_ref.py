@@ -160,6 +160,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     torch.mul(weight, x32.to(x.dtype), out=out)
 
 
+def route_experts(
+    logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
 def gated_mul(gate_up: torch.Tensor, out: torch.Tensor, gelu: bool) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     f = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)

@@ -8,7 +8,10 @@ attention) back to back, so a decode step returns to Python once. Prefill chunks
 other devices and dtypes take the layer-by-layer path. A family's options (biases, Qwen3's q/k
 norms, Gemma 3's output norms) are fields of the C step too, a null pointer where the model has
 none; Gemma 3's windows (one per layer, with the local RoPE tables) and GELU-tanh are arguments.
-A Gemma model in bfloat16 decodes layer by layer (its norm weights are float32; the log says so).
+A mixture of experts (Qwen3-MoE, Mixtral) takes the C step in float32 (kernels/csrc/moe.c: the
+router, routing, the chosen experts' matmuls; its sizes are arguments). A Gemma model in bfloat16
+decodes layer by layer (its norm weights are float32), as does a mixture of experts in bfloat16
+and gpt-oss (its attention sinks); the log says so.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from nanoserve.kernels import (
 )
 from nanoserve.model.attention import AttentionMetadata
 from nanoserve.model.config import ModelConfig
+from nanoserve.model.moe import Experts
 from nanoserve.model.quantized import Blocks
 from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-# The fields of the C step's struct layer_weights: a layer's, but a mixture of experts' and
-# gpt-oss's (which the C step does not run: such a model decodes layer by layer).
-C_FIELDS = tuple(name for name, t in LAYER if t.when not in ("moe", "gpt_oss"))
+# The fields of the C step's struct layer_weights: a layer's, but gpt-oss's (which the C step does
+# not run: such a model decodes layer by layer).
+C_FIELDS = tuple(name for name, t in LAYER if t.when != "gpt_oss")
 
 
 class CpuDecodeStep:
@@ -45,7 +49,7 @@ class CpuDecodeStep:
         # Per layer, each weight by its name (a field of the C step's struct layer_weights).
         self.weights = [{name: _stored(getattr(x, name)) for name in C_FIELDS} for x in layers]
         # The quantized matmul takes any number of rows; the float GEMV up to 4.
-        blocks = all(isinstance(m.weight, Blocks) for x in layers for m in matrices(x))
+        blocks = all(isinstance(m.weight, Blocks) for x in layers for m in _all_matrices(x))
         self.max_rows = c_backend.STEP_ROWS if blocks else SMALL_LINEAR_MAX_ROWS
         self.windows = (
             torch.tensor(config.layer_windows, dtype=torch.int64) if config.layer_windows else None
@@ -61,7 +65,7 @@ class CpuDecodeStep:
         layer)."""
         if not_in_c(layers):
             return False
-        ms = [m for layer in layers for m in matrices(layer)]
+        ms = [m for layer in layers for m in _all_matrices(layer)]
         blocks = any(isinstance(m.weight, Blocks) for m in ms)
         floats_ok = all(m.gemv or isinstance(m.weight, Blocks) for m in ms)
         dtype = layers[0].input_norm.dtype if layers else torch.float32
@@ -116,6 +120,9 @@ class CpuDecodeStep:
             windows=self.windows,
             local=local,
             gelu=c.activation == "gelu_pytorch_tanh",
+            moe=(c.num_experts, c.experts_per_token, c.expert_size, c.norm_topk_prob)
+            if c.moe
+            else (0, 0, 0, False),
         )
 
     def layer_table(self, kv_caches: KVCaches, dtype: torch.dtype) -> object:
@@ -156,10 +163,16 @@ class CpuDecodeStep:
         return self._table
 
 
-def _stored(w: torch.Tensor | Matrix | None) -> object:
+def _all_matrices(layer: LayerWeights) -> list[Matrix | Experts]:
+    """A layer's matrices and its experts' (a projection's experts each)."""
+    experts = (layer.experts_gate, layer.experts_up, layer.experts_down)
+    return [*matrices(layer), *(e for e in experts if e is not None)]
+
+
+def _stored(w: torch.Tensor | Matrix | Experts | None) -> object:
     """(data pointer, format) of a weight: format 0 for floats, else its GGML type id; (0, 0)
     for an option the model does not have. A matrix of parts in different formats: a list of
-    ((pointer, format), rows), a part each."""
+    ((pointer, format), rows), a part each. Experts: their one tensor of every expert's matrix."""
     if w is None:
         return 0, 0
     t = w if isinstance(w, torch.Tensor) else w.weight
@@ -180,11 +193,11 @@ def not_in_c(layers: list[LayerWeights]) -> str | None:
         return None
     if layers[0].sinks is not None:  # (the decode kernel has them; the step passes none)
         return "attention sinks (gpt-oss; not in the C step)"
-    if layers[0].router is not None:
-        return "mixture-of-experts layers (not in the C step yet)"
     dtype = layers[0].input_norm.dtype  # GGUF blocks' activations: float32, as their norms
     if isinstance(layers[0].qkv.weight, torch.Tensor):
         dtype = layers[0].qkv.weight.dtype
+    if layers[0].router is not None and dtype != torch.float32:
+        return f"mixture-of-experts layers in {str(dtype).removeprefix('torch.')} (float32 only)"
     norms = [getattr(x, name) for x in layers for name, t in LAYER if t.kind == "norm"]
     if any(n is not None and n.dtype != dtype for n in norms):
         return f"float32 norm weights in a {str(dtype).removeprefix('torch.')} model"

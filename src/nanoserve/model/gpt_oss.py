@@ -129,7 +129,7 @@ def experts_moe(
     chosen = experts.flatten()[order]  # each pair's expert
     out = torch.zeros_like(x)
     if one_call and in_blocks(logits.shape[-1], gate, up, down):
-        g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts)
+        g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts).chunk(2, dim=1)
         h = clamped_swiglu(g + gate_bias[chosen], u + up_bias[chosen], alpha, limit)
         y = (down_of(h.float().contiguous(), down, counts) + down_bias[chosen]) * pair_weights
         return add_up(out, y, tokens, counts)

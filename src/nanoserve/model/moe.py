@@ -1,8 +1,10 @@
 """A sparse mixture-of-experts block in place of a layer's MLP (Qwen3-MoE, Mixtral), computed as
 transformers computes it: the router's logits in the activations' dtype, their softmax in float32,
-the top k experts of each token (torch.topk: at equal scores the lower index first), their
-weights renormalized to sum to 1 where the config says (Mixtral always), and the sum of the
-chosen experts' SwiGLU outputs times their weights, added up expert after expert.
+the top k experts of each token (at equal scores the ones torch.topk chooses), their weights
+renormalized to sum to 1 where the config says (Mixtral always), and the sum of the chosen
+experts' SwiGLU outputs times their weights, added up expert after expert. On a CPU the routing
+and the SwiGLU are C kernels (kernels.route_experts, gated_mul) that the one-call C decode step
+(kernels/csrc/moe.c) runs too, so that a row's result is the same bits on either path.
 
 A step's tokens are grouped by expert (the token-expert pairs sorted by expert), so that each
 chosen expert multiplies all its tokens in one matmul: its weights are read once a step, not once
@@ -25,7 +27,9 @@ from nanoserve.kernels import (
     QuantizedWeight,
     aligned_bytes,
     expert_linear,
+    gated_mul,
     quantized_linear,
+    route_experts,
     small_linear,
 )
 
@@ -68,15 +72,6 @@ def _slice(w: QuantizedWeight, start: int, rows: int) -> QuantizedWeight:
     return QuantizedWeight(data, w.qtype, (rows, w.shape[1]))
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [tokens, top_k] float32, experts [tokens, top_k]) of router logits."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
-
-
 def sparse_moe(
     x: torch.Tensor,
     router: Callable[[torch.Tensor], torch.Tensor],
@@ -95,21 +90,21 @@ def sparse_moe(
     measure beside it; the same outputs, bitwise). Experts that hold a tensor-parallel rank's
     range give that range's share of the output, for the caller to all-reduce."""
     logits = router(x)
-    weights, experts = route(logits, top_k, normalize)
+    weights, experts = route_experts(logits, top_k, normalize)
     if not weights_in_float32:
         weights = weights.to(logits.dtype)
     order, tokens, counts = by_expert(experts, logits.shape[-1])
     pair_weights = weights.flatten()[order].unsqueeze(-1)
     out = torch.zeros_like(x)
     if one_call and in_blocks(logits.shape[-1], gate, up, down):
-        g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts)
-        h = (F.silu(g) * u).to(x.dtype).float().contiguous()
+        h = gated_mul(gate_up(x.float().contiguous(), gate, up, tokens, counts))
+        h = h.to(x.dtype).float().contiguous()
         y = (down_of(h, down, counts).to(x.dtype) * pair_weights).to(x.dtype)
         return add_up(out, y, tokens, counts)
     for expert, pairs in each_expert(counts, gate.held):
         rows = tokens[pairs]
         xs = x[rows]
-        h = F.silu(gate(expert, xs)) * up(expert, xs)
+        h = gated_mul(torch.cat([gate(expert, xs), up(expert, xs)], dim=1))
         y = down(expert, h.to(x.dtype)).to(x.dtype) * pair_weights[pairs]
         out.index_add_(0, rows, y.to(x.dtype))
     return out
@@ -164,19 +159,22 @@ def _groups(counts: list[int]) -> torch.Tensor:
 
 def gate_up(
     x: torch.Tensor, gate: Experts, up: Experts, tokens: torch.Tensor, counts: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chosen experts' gate and up outputs [pairs, rows] float32 for x [tokens, hidden]
-    float32 and the pairs sorted by expert (pair p is token tokens[p]'s, counts[e] pairs expert
-    e's), as Experts.__call__ gives them expert after expert: one C call where the two share a
-    format, else one each."""
+) -> torch.Tensor:
+    """The chosen experts' gate and up outputs side by side, [pairs, 2 rows] float32, for x
+    [tokens, hidden] float32 and the pairs sorted by expert (pair p is token tokens[p]'s,
+    counts[e] pairs expert e's), as Experts.__call__ gives them expert after expert: one C call
+    where the two share a format, else one each."""
     groups = _groups(counts)
     g, u = gate.weight, up.weight
     assert isinstance(g, QuantizedWeight) and isinstance(u, QuantizedWeight)
+    rows = g.shape[0] // gate.num_experts
+    out = torch.empty((tokens.shape[0], 2 * rows), dtype=torch.float32)
     if g.qtype == u.qtype and g.shape == u.shape:
-        out_g, out_u = expert_linear(x, [g, u], gate.num_experts, groups, tokens)
-        return out_g, out_u
-    out_g = expert_linear(x, [g], gate.num_experts, groups, tokens)[0]
-    return out_g, expert_linear(x, [u], up.num_experts, groups, tokens)[0]
+        expert_linear(x, [g, u], gate.num_experts, groups, tokens, out)
+        return out
+    expert_linear(x, [g], gate.num_experts, groups, tokens, out[:, :rows])
+    expert_linear(x, [u], up.num_experts, groups, tokens, out[:, rows:])
+    return out
 
 
 def down_of(h: torch.Tensor, down: Experts, counts: list[int]) -> torch.Tensor:
