@@ -28,7 +28,7 @@ GGML = {name: gguf.GGMLQuantizationType[name.upper()] for name in kernels.QUANT_
 # The formats quantize() makes (not the K-quants, whose blocks come from llama.cpp's quantizer).
 QUANTIZED = [name for name in kernels.QUANT_TYPES if name not in quant.NOT_QUANTIZED]
 KQUANTS = [name for name in kernels.QUANT_TYPES if quant.BLOCK_VALUES[name] == 256]
-ROWS = [1, 2, 3, 4, 5, 8, 9, 17, 64, 300]  # GEMV to 4 (8 on AVX-512), GEMM past it
+ROWS = [1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 64, 300]  # GEMV to 4 (16 on AVX-512 VNNI), GEMM past
 MINS = ("q4_1", "q5_1")  # the formats with a min m per block
 FLOATS = ("f16", "bf16")  # 16-bit floats, multiplied by float32 activations (no int16 rounding)
 # (path, VNNI, AMX): each runs where the CPU has it; "avx512" without VNNI runs on any AVX-512 CPU;
@@ -494,7 +494,7 @@ def _caches(seed: int) -> list[torch.Tensor]:
 
 # A family's options (biases, q/k norms): absent, a null pointer.
 OPTIONS = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm", "attn_out_norm",
-           "mlp_out_norm")  # fmt: skip
+           "mlp_out_norm", "router", "experts_gate", "experts_up", "experts_down")  # fmt: skip
 
 
 def _layers(matrices, norms, caches) -> list[dict]:
@@ -588,7 +588,7 @@ def test_decode_step_refuses_bad_formats_and_fields():
         c_backend.layer_table(layers)
     layers = _layers(ours, norms, caches)
     layers[0]["extra"] = (0, 0)
-    with pytest.raises(ValueError, match=r"layers\[0\] has 17 fields; .* layer_weights has 16"):
+    with pytest.raises(ValueError, match=r"layers\[0\] has 21 fields; .* layer_weights has 20"):
         c_backend.layer_table(layers)
     with pytest.raises(ValueError, match=r"layers\[0\]\.qkv is in GGUF blocks \(format 3\), which"):
         _run_step(h.bfloat16(), ours, norms, caches, 1)

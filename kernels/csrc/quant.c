@@ -232,7 +232,7 @@ int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const voi
     ns_xq xq = {0};
     void *base = NULL; /* the quantized activations, which a float_x format does without */
     const int split = path == NS_AMX && M >= NS_AMX_ROWS;
-    const int bytes = path >= NS_AVX512_VNNI && M <= NS_BYTE_ROWS && f->byte_gemv;
+    const int bytes = path >= NS_AVX512_VNNI && M <= NS_BYTE_ROWS && !split && f->byte_gemv;
     if (!f->float_x && !(base = ns_xq_alloc(&xq, M, K, split, bytes))) return -1;
     const ns_qmm a = {out, (const char *)w, &xq, M, N, K, ldo,
                       (size_t)(K / ns_block_values(f)) * f->block_bytes, x};

@@ -87,19 +87,22 @@ NS_INLINE void byte_tile(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_
     for (int r = 0; r < mr; r++) store_cols(a->out + (r0 + r) * a->ldo + c0, last, acc[r]);
 }
 
-/* out[:, n0:n1] for M <= NS_BYTE_ROWS rows, a strip at a time. */
+/* out[:, n0:n1] for M <= NS_BYTE_ROWS rows, a strip at a time, GEMV_ROWS rows of it at a time. */
 NS_INLINE void byte_gemv(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const strip_format f) {
+    _Static_assert(GEMV_ROWS == 8, "the tiles below are of up to 8 rows");
     for (Py_ssize_t c0 = n0; c0 < n1; c0 += STRIP_W) {
         const int last = n1 - c0 < STRIP_W ? (int)(n1 - c0) : STRIP_W;
-        switch (a->M) {
-        case 1: byte_tile(a, 0, 1, c0, last, f); break;
-        case 2: byte_tile(a, 0, 2, c0, last, f); break;
-        case 3: byte_tile(a, 0, 3, c0, last, f); break;
-        case 4: byte_tile(a, 0, 4, c0, last, f); break;
-        case 5: byte_tile(a, 0, 5, c0, last, f); break;
-        case 6: byte_tile(a, 0, 6, c0, last, f); break;
-        case 7: byte_tile(a, 0, 7, c0, last, f); break;
-        default: byte_tile(a, 0, 8, c0, last, f); break;
+        for (Py_ssize_t r0 = 0; r0 < a->M; r0 += GEMV_ROWS) {
+            switch (a->M - r0) {
+            case 1: byte_tile(a, r0, 1, c0, last, f); break;
+            case 2: byte_tile(a, r0, 2, c0, last, f); break;
+            case 3: byte_tile(a, r0, 3, c0, last, f); break;
+            case 4: byte_tile(a, r0, 4, c0, last, f); break;
+            case 5: byte_tile(a, r0, 5, c0, last, f); break;
+            case 6: byte_tile(a, r0, 6, c0, last, f); break;
+            case 7: byte_tile(a, r0, 7, c0, last, f); break;
+            default: byte_tile(a, r0, 8, c0, last, f); break;
+            }
         }
     }
 }
