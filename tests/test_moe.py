@@ -346,16 +346,25 @@ def test_a_quantized_gguf_decodes_in_the_one_call_step_bit_for_bit(
     converted, tmp_path, monkeypatch, name
 ):
     """Q4_K_M experts (gate and up one C call, down another format) in the C step: the
-    layer-by-layer path's ids and logprobs, bit for bit."""
+    layer-by-layer path's ids and logprobs, bit for bit, for 6 sequences (the float32 router
+    beside blocks takes the C step's rows through the GEMV 4 at a time, as the layer path
+    multiplies it)."""
     from test_cpu_step import _generate
 
+    from nanoserve.model.cpu_step import CpuDecodeStep
     from nanoserve.testing.llamacpp_convert import quantize, quantizer_available
 
     if not quantizer_available():
         pytest.skip("llama.cpp's quantizer (llama-cpp-python) is not installed")
     path = quantize(converted(name)[1], tmp_path / "q4_k_m.gguf", "Q4_K_M")
-    ours, theirs = (_generate(path, "float32", one_call, GGUF_PROMPTS, monkeypatch)
+    rows, real = [], CpuDecodeStep.__call__
+    monkeypatch.setattr(
+        CpuDecodeStep, "__call__", lambda s, h, *a: rows.append(len(h)) or real(s, h, *a)
+    )
+    prompts = [list(range(100 + 9 * i, 120 + 13 * i)) for i in range(6)]
+    ours, theirs = (_generate(path, "float32", one_call, prompts, monkeypatch)
                     for one_call in (True, False))  # fmt: skip
+    assert max(rows) == 6, "the C step was meant to take all 6 rows"
     assert _bits(ours) == _bits(theirs)
 
 

@@ -139,8 +139,10 @@ typedef struct {
     float *logits;
 } step_scratch;
 
-/* out [rows, N] = x [rows, K] times the transpose of matrix m: the float GEMV, or the quantized
- * matmul where m is in GGUF blocks. */
+/* out [rows, N] = x [rows, K] times the transpose of matrix m: the float GEMV (NS_GEMV_ROWS rows
+ * at a time: a mixture of experts' float router beside blocks takes up to NS_STEP_ROWS rows so,
+ * as model/linear.py's Linear does with its gemv_rows), or the quantized matmul where m is in GGUF
+ * blocks. */
 static int matmul(const step_args *s, const step_tensor *m, void *out, const void *x, Py_ssize_t N,
                   Py_ssize_t K) {
     int rc = 0;
@@ -153,7 +155,14 @@ static int matmul(const step_args *s, const step_tensor *m, void *out, const voi
     if (m->parts) return rc;
     if (m->format)
         return nanoserve_quant_matmul(out, N, x, m->data, s->rows, N, K, m->format, s->threads);
-    return nanoserve_gemv(out, x, m->data, s->rows, N, K, s->dtype, s->threads);
+    const size_t es = ns_dtype_size(s->dtype);
+    for (Py_ssize_t r = 0; r < s->rows; r += NS_GEMV_ROWS) {
+        const Py_ssize_t n = s->rows - r < NS_GEMV_ROWS ? s->rows - r : NS_GEMV_ROWS;
+        rc |= nanoserve_gemv((char *)out + (size_t)(r * N) * es,
+                             (const char *)x + (size_t)(r * K) * es, m->data, n, N, K, s->dtype,
+                             s->threads);
+    }
+    return rc;
 }
 
 /* h[i] = h[i] + add[i], rounded like torch's add. */
@@ -410,12 +419,14 @@ static int check_parts(const step_args *s) {
 }
 
 /* 0, or -1 with a ValueError set when a tensor in GGUF blocks comes with bfloat16 activations
- * (the quantized matmuls take float32), or a float matrix with more rows than the GEMV takes. */
+ * (the quantized matmuls take float32), or a float matrix (but a router) with more rows than the
+ * GEMV takes. */
 static int check_formats(const step_args *s) {
     for (Py_ssize_t l = 0; s->rows > NS_GEMV_ROWS && l < s->table->num_layers; l++)
         for (int f = 0; f < NUM_FIELDS; f++) {
             const step_tensor *t = field_of(&s->table->layers[l], f);
-            if (FIELDS[f].blocks && t->data && !t->format) {
+            const int router = FIELDS[f].offset == offsetof(layer_weights, router);
+            if (FIELDS[f].blocks && t->data && !t->format && !router) {
                 PyErr_Format(PyExc_ValueError,
                              "decode_layers: %zd rows, more than %d, need every matrix in GGUF "
                              "blocks; layers[%zd].%s is in floats",

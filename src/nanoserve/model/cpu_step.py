@@ -48,8 +48,14 @@ class CpuDecodeStep:
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
         # Per layer, each weight by its name (a field of the C step's struct layer_weights).
         self.weights = [{name: _stored(getattr(x, name)) for name in C_FIELDS} for x in layers]
-        # The quantized matmul takes any number of rows; the float GEMV up to 4.
-        blocks = all(isinstance(m.weight, Blocks) for x in layers for m in _all_matrices(x))
+        # The quantized matmul takes any number of rows; the float GEMV up to 4, a float router
+        # beside blocks up to 16 (as the layer path multiplies it: model/linear.py's gemv_rows).
+        blocks = all(
+            isinstance(m.weight, Blocks)
+            or (m is x.router and getattr(m, "gemv_rows", 0) >= c_backend.STEP_ROWS)
+            for x in layers
+            for m in _all_matrices(x)
+        )
         self.max_rows = c_backend.STEP_ROWS if blocks else SMALL_LINEAR_MAX_ROWS
         self.windows = (
             torch.tensor(config.layer_windows, dtype=torch.int64) if config.layer_windows else None

@@ -26,12 +26,22 @@ class Linear:
             and weight.is_contiguous()
         )
         self.gemv = cpu and c_backend.enabled()  # the C GEMV for a few rows
+        # The most rows that take the GEMV, SMALL_LINEAR_MAX_ROWS at a time (more: oneDNN). A
+        # mixture of experts' router beside blocks takes up to the C step's 16 (model/llama.py).
+        self.gemv_rows = SMALL_LINEAR_MAX_ROWS
         self.packed = _onednn_pack(weight) if cpu else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T for x [rows, in_features] of the weight's dtype and device."""
-        if self.gemv and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+        rows = x.shape[0]
+        if self.gemv and rows <= SMALL_LINEAR_MAX_ROWS:
             return small_linear(x.contiguous(), self.weight)
+        if self.gemv and rows <= self.gemv_rows:
+            out = torch.empty((rows, self.weight.shape[0]), dtype=x.dtype)
+            for r in range(0, rows, SMALL_LINEAR_MAX_ROWS):
+                n = min(SMALL_LINEAR_MAX_ROWS, rows - r)
+                small_linear(x[r : r + n].contiguous(), self.weight, out[r : r + n])
+            return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, None, "none", [None], ""

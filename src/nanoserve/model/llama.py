@@ -18,10 +18,11 @@ import math
 
 import torch
 
-from nanoserve.kernels import gated_mul, rms_norm, rope_
+from nanoserve.kernels import c_backend, gated_mul, rms_norm, rope_
 from nanoserve.model import gpt_oss
 from nanoserve.model.attention import AttentionMetadata, attention
 from nanoserve.model.config import ModelConfig, RopeConfig
+from nanoserve.model.linear import Linear
 from nanoserve.model.loader import LlamaWeights
 from nanoserve.model.moe import sparse_moe
 from nanoserve.model.parallel import SINGLE, Parallel
@@ -58,6 +59,11 @@ class Llama:
         self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
         # gpt-oss's attention sinks in float32, as the kernels take them in any model dtype.
         self.sinks = [None if x.sinks is None else x.sinks.float() for x in weights.layers]
+        # A float router (1 MiB) beside experts in blocks: up to the C step's rows through the
+        # GEMV, as the C step multiplies it, so that those steps may take it (model/cpu_step.py).
+        for x in weights.layers:
+            if isinstance(x.router, Linear) and x.router.gemv:
+                x.router.gemv_rows = c_backend.STEP_ROWS
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [len(ids), hidden]: a fresh tensor the layers may update."""
