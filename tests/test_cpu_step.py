@@ -20,6 +20,38 @@ def _spy(monkeypatch, step) -> list[int]:
     return rows
 
 
+def spy_rows(monkeypatch) -> list[int]:
+    """Records the rows of every C step call of any engine (and still runs it)."""
+    from nanoserve.model.cpu_step import CpuDecodeStep
+
+    rows: list[int] = []
+    real = CpuDecodeStep.__call__
+
+    def spy(self, h, *args):
+        rows.append(h.shape[0])
+        return real(self, h, *args)
+
+    monkeypatch.setattr(CpuDecodeStep, "__call__", spy)
+    return rows
+
+
+def check_six_rows_bit_for_bit(path, monkeypatch) -> None:
+    """6 sequences of a file whose matrices are in blocks: all 6 rows through the one-call C
+    step, and its ids and logprobs bit for bit the layer-by-layer path's."""
+    rows = spy_rows(monkeypatch)
+    prompts = [list(range(100 + 9 * i, 120 + 13 * i)) for i in range(6)]
+    ours, theirs = (_generate(path, "float32", one_call, prompts, monkeypatch)
+                    for one_call in (True, False))  # fmt: skip
+    assert max(rows) == 6, "the C step was meant to take all 6 rows"
+    assert bits(ours) == bits(theirs)
+
+
+def bits(generated):
+    """_generate's ids and logprobs as plain values, to compare exactly."""
+    return [(ids, [{t: p.logprob for t, p in step.items()} for step in steps])
+            for ids, steps in generated]  # fmt: skip
+
+
 def _generate(
     model_dir, dtype, one_call, prompts, monkeypatch, max_tokens=20, cache_dtype=None, **engine_args
 ):

@@ -3,7 +3,8 @@ checkpoint written by transformers (alternating sliding-window and full layers, 
 sinks, biases, a clamped SwiGLU that clamps) gives its greedy ids (C decode and prefill kernels,
 or the torch reference; chunked prefill, preemption) and its prompt logprobs; the attention
 sinks of the decode and prefill kernels against a float64 softmax, row for row the same bits in
-any batch or chunk; and what this tranche leaves out (MXFP4 weights, CUDA) refused by name.
+any batch or chunk; the one-call C step gives the layer-by-layer path's bits; and what this
+tranche leaves out (MXFP4 weights, CUDA) refused by name.
 """
 
 import json
@@ -81,12 +82,17 @@ def test_prompt_logprobs_equal_transformers(gpt_oss_dir):
     check_prompt_logprobs(gpt_oss_dir)
 
 
-def test_decode_goes_layer_by_layer(gpt_oss_dir, caplog):
-    from nanoserve import LLM
+def test_the_one_call_step_gives_the_layer_by_layer_bits(gpt_oss_dir, monkeypatch):
+    """In float32 the one-call C step takes gpt-oss's layers (sinks, windows of 8 here, biases,
+    its routing and clamped SwiGLU in kernels/csrc/moe.c): the layer-by-layer path's ids and
+    logprobs, bit for bit, at batch 1 and 3, the contexts past the window."""
+    from test_cpu_step import _generate, bits
 
-    with caplog.at_level("INFO"):
-        LLM(str(gpt_oss_dir))
-    assert "attention sinks (gpt-oss; not in the C step)" in caplog.text
+    prompts = [list(range(20 + 7 * i, 40 + 11 * i)) for i in range(3)]
+    for batch in (1, 3):
+        ours, theirs = (_generate(gpt_oss_dir, "float32", one_call, prompts[:batch], monkeypatch)
+                        for one_call in (True, False))  # fmt: skip
+        assert bits(ours) == bits(theirs)
 
 
 def _edited(model_dir, tmp_path, **changes):

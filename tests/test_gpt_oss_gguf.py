@@ -85,6 +85,20 @@ def test_an_mxfp4_file_keeps_its_experts_in_their_blocks(converted, tmp_path):
     assert kept == _greedy(path, quantization="none")[1]
 
 
+def test_an_mxfp4_file_decodes_in_the_one_call_step_bit_for_bit(converted, tmp_path, monkeypatch):
+    """MXFP4 experts, Q8_0 attention with biases and sinks, windowed layers: 6 sequences through
+    the one-call C step give the layer-by-layer path's ids and logprobs, bit for bit."""
+    from test_cpu_step import check_six_rows_bit_for_bit
+
+    from nanoserve.testing.llamacpp_convert import quantize, quantizer_available
+
+    if not quantizer_available():
+        pytest.skip("llama.cpp's quantizer (llama-cpp-python) is not installed")
+    check_six_rows_bit_for_bit(
+        quantize(converted[1], tmp_path / "mxfp4.gguf", "MXFP4_MOE"), monkeypatch
+    )
+
+
 class _Refused(Exception):
     pass
 

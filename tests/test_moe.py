@@ -184,18 +184,13 @@ def test_the_one_call_step_gives_the_layer_by_layer_bits(moe_dir, monkeypatch, n
     """In float32, decode steps of up to 4 rows run the experts in the one-call C step
     (kernels/csrc/moe.c) with the layer-by-layer path's routing and kernels: the same ids and
     logprobs, bit for bit, at batch 1 and 3."""
-    from test_cpu_step import _generate
+    from test_cpu_step import _generate, bits
 
     prompts = _prompts(500)[:3]
     for batch in (1, 3):
         ours, theirs = (_generate(moe_dir(name), "float32", one_call, prompts[:batch], monkeypatch)
                         for one_call in (True, False))  # fmt: skip
-        assert _bits(ours) == _bits(theirs)
-
-
-def _bits(generated):
-    return [(ids, [{t: p.logprob for t, p in step.items()} for step in steps])
-            for ids, steps in generated]  # fmt: skip
+        assert bits(ours) == bits(theirs)
 
 
 def test_bfloat16_experts_decode_layer_by_layer(moe_dir, caplog):
@@ -349,23 +344,15 @@ def test_a_quantized_gguf_decodes_in_the_one_call_step_bit_for_bit(
     layer-by-layer path's ids and logprobs, bit for bit, for 6 sequences (the float32 router
     beside blocks takes the C step's rows through the GEMV 4 at a time, as the layer path
     multiplies it)."""
-    from test_cpu_step import _generate
+    from test_cpu_step import check_six_rows_bit_for_bit
 
-    from nanoserve.model.cpu_step import CpuDecodeStep
     from nanoserve.testing.llamacpp_convert import quantize, quantizer_available
 
     if not quantizer_available():
         pytest.skip("llama.cpp's quantizer (llama-cpp-python) is not installed")
-    path = quantize(converted(name)[1], tmp_path / "q4_k_m.gguf", "Q4_K_M")
-    rows, real = [], CpuDecodeStep.__call__
-    monkeypatch.setattr(
-        CpuDecodeStep, "__call__", lambda s, h, *a: rows.append(len(h)) or real(s, h, *a)
+    check_six_rows_bit_for_bit(
+        quantize(converted(name)[1], tmp_path / "q4_k_m.gguf", "Q4_K_M"), monkeypatch
     )
-    prompts = [list(range(100 + 9 * i, 120 + 13 * i)) for i in range(6)]
-    ours, theirs = (_generate(path, "float32", one_call, prompts, monkeypatch)
-                    for one_call in (True, False))  # fmt: skip
-    assert max(rows) == 6, "the C step was meant to take all 6 rows"
-    assert _bits(ours) == _bits(theirs)
 
 
 def test_a_float_gguf_quantized_at_load_quantizes_its_experts(converted):

@@ -494,7 +494,8 @@ def _caches(seed: int) -> list[torch.Tensor]:
 
 # A family's options (biases, q/k norms): absent, a null pointer.
 OPTIONS = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm", "attn_out_norm",
-           "mlp_out_norm", "router", "experts_gate", "experts_up", "experts_down")  # fmt: skip
+           "mlp_out_norm", "router", "experts_gate", "experts_up", "experts_down", "router_bias",
+           "experts_gate_bias", "experts_up_bias", "experts_down_bias", "sinks")  # fmt: skip
 
 
 def _layers(matrices, norms, caches) -> list[dict]:
@@ -588,7 +589,7 @@ def test_decode_step_refuses_bad_formats_and_fields():
         c_backend.layer_table(layers)
     layers = _layers(ours, norms, caches)
     layers[0]["extra"] = (0, 0)
-    with pytest.raises(ValueError, match=r"layers\[0\] has 21 fields; .* layer_weights has 20"):
+    with pytest.raises(ValueError, match=r"layers\[0\] has 26 fields; .* layer_weights has 25"):
         c_backend.layer_table(layers)
     with pytest.raises(ValueError, match=r"layers\[0\]\.qkv is in GGUF blocks \(format 3\), which"):
         _run_step(h.bfloat16(), ours, norms, caches, 1)

@@ -62,6 +62,9 @@ typedef struct {
 typedef struct {
     step_tensor input_norm, qkv, o, post_norm, gate_up, down;     /* gate_up, down NULL: experts */
     step_tensor router, experts_gate, experts_up, experts_down;   /* NULL: a dense MLP */
+    /* gpt-oss (float32, NULL where absent): the router's bias [experts], each expert's biases
+     * [experts, rows], the attention sinks [heads]. */
+    step_tensor router_bias, experts_gate_bias, experts_up_bias, experts_down_bias, sinks;
     step_tensor qkv_bias, o_bias, gate_up_bias, down_bias, q_norm, k_norm; /* NULL: absent */
     step_tensor attn_out_norm, mlp_out_norm;                               /* NULL: absent */
     step_tensor k_cache, v_cache;
@@ -83,6 +86,11 @@ static const struct {
     {"experts_gate", offsetof(layer_weights, experts_gate), 1},
     {"experts_up", offsetof(layer_weights, experts_up), 1},
     {"experts_down", offsetof(layer_weights, experts_down), 1},
+    {"router_bias", offsetof(layer_weights, router_bias), 0},
+    {"experts_gate_bias", offsetof(layer_weights, experts_gate_bias), 0},
+    {"experts_up_bias", offsetof(layer_weights, experts_up_bias), 0},
+    {"experts_down_bias", offsetof(layer_weights, experts_down_bias), 0},
+    {"sinks", offsetof(layer_weights, sinks), 0},
     {"qkv_bias", offsetof(layer_weights, qkv_bias), 0},
     {"o_bias", offsetof(layer_weights, o_bias), 0},
     {"gate_up_bias", offsetof(layer_weights, gate_up_bias), 0},
@@ -126,6 +134,8 @@ typedef struct {
      * expert's intermediate size, whether the top k's weights are renormalized. */
     Py_ssize_t experts, top_k, expert_size;
     int normalize;
+    int gpt_oss; /* gpt-oss's routing (softmax among the chosen) and clamped SwiGLU */
+    float swiglu_alpha, swiglu_limit;
     float eps;
     int dtype, threads;
 } step_args;
@@ -249,6 +259,7 @@ static int attention_half(const step_args *s, const step_scratch *b, const layer
     norm_heads(s, b->qkv, w);
     decode_args a = s->attn;
     a.window = s->windows ? s->windows[l] : 0;
+    a.sinks = w->sinks.data;
     nanoserve_rope_rows(b->qkv, s->positions, a.window ? s->local_cos : s->cos,
                         a.window ? s->local_sin : s->sin, M, s->heads + s->kv_heads, D, qkv_width,
                         s->dtype, s->threads);
@@ -288,9 +299,12 @@ static int moe_half(const step_args *s, const step_scratch *b, const layer_weigh
     const Py_ssize_t M = s->rows, H = s->hidden;
     nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
     int rc = matmul(s, &w->router, b->logits, b->x, s->experts, H);
+    add_bias(b->logits, &w->router_bias, M, s->experts, NS_F32);
     const moe_weights m = {w->experts_gate.data, w->experts_up.data, w->experts_down.data,
                            w->experts_gate.format, w->experts_up.format, w->experts_down.format,
-                           s->experts, s->top_k, s->expert_size, s->normalize};
+                           s->experts, s->top_k, s->expert_size, s->normalize, s->gpt_oss,
+                           w->experts_gate_bias.data, w->experts_up_bias.data,
+                           w->experts_down_bias.data, s->swiglu_alpha, s->swiglu_limit};
     rc |= nanoserve_moe((float *)b->o, (const float *)b->x, b->logits, M, H, &m, s->threads);
     norm_out(s, b->o, &w->mlp_out_norm);
     add_into(s->h, b->o, M * H, s->dtype);
@@ -320,18 +334,19 @@ static int parse_step_args(PyObject *args, PyObject *kwargs, step_args *s,
                              "num_blocks", "rows", "hidden", "heads", "kv_heads", "head_dim",
                              "intermediate", "eps", "scale", "dtype_code", "num_threads", "windows",
                              "local_cos", "local_sin", "gelu", "experts", "top_k", "expert_size",
-                             "normalize", NULL};
+                             "normalize", "gpt_oss", "swiglu_alpha", "swiglu_limit", NULL};
     unsigned long long h, positions, slots, cos, sin, tables, lens;
     unsigned long long windows = 0, local_cos = 0, local_sin = 0;
     PyObject *layers;
     decode_args *a = &s->attn;
     double scale;
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwargs, "KOKKKKnKKnnnnnnnnnfdii|KKKpnnnp", kwlist, &h, &layers, &positions, &slots,
+            args, kwargs, "KOKKKKnKKnnnnnnnnnfdii|KKKpnnnppff", kwlist, &h, &layers, &positions, &slots,
             &cos, &sin, table_rows, &tables, &lens, &a->max_blocks_per_seq, &a->block_size,
             &a->num_blocks, &s->rows, &s->hidden, &s->heads, &s->kv_heads, &s->head_dim,
             &s->intermediate, &s->eps, &scale, &s->dtype, &s->threads, &windows, &local_cos,
-            &local_sin, &s->gelu, &s->experts, &s->top_k, &s->expert_size, &s->normalize))
+            &local_sin, &s->gelu, &s->experts, &s->top_k, &s->expert_size, &s->normalize,
+            &s->gpt_oss, &s->swiglu_alpha, &s->swiglu_limit))
         return -1;
     if (windows && (!local_cos || !local_sin)) {
         PyErr_SetString(PyExc_ValueError, "decode_layers: windows come with local_cos, local_sin");

@@ -82,9 +82,13 @@ static PyMethodDef methods[] = {
      "expert e's matrix transposed for p in each group (e, start, count) of groups int64 [G, 3]; "
      "rows bitwise quant_linear's; pointers as ints (outs and ws tuples of them)."},
     {"moe_route", KW_FUNCTION(nanoserve_py_moe_route), METH_VARARGS | METH_KEYWORDS,
-     "moe_route(logits, T, E, k, normalize, weights, experts): each of T rows of router logits "
-     "[T, E] float32: its softmax's top k (ties to the lower index), weights [T, k] float32 "
-     "(renormalized where normalize) and experts [T, k] int64; pointers as ints."},
+     "moe_route(logits, T, E, k, normalize, weights, experts, among_chosen=False): each of T "
+     "rows of router logits [T, E] float32: its softmax's top k (at ties torch.topk's choice), "
+     "weights [T, k] float32 (renormalized where normalize; among_chosen: the top k logits "
+     "softmaxed among themselves) and experts [T, k] int64; pointers as ints."},
+    {"clamped_swiglu", KW_FUNCTION(nanoserve_py_clamped_swiglu), METH_VARARGS | METH_KEYWORDS,
+     "clamped_swiglu(act, gate_up, rows, inter, alpha, limit): gpt-oss's activation of float32 "
+     "rows [gate | up] into act [rows, inter]; pointers as ints."},
     {"quantize", KW_FUNCTION(nanoserve_py_quantize), METH_VARARGS | METH_KEYWORDS,
      "quantize(out, w, N, K, qtype, num_threads): w [N, K] float32 into N rows of GGUF blocks, "
      "the bytes of gguf.quants.quantize."},

@@ -168,24 +168,33 @@ static void topk(scored *q, Py_ssize_t n, Py_ssize_t k) {
     sort_scored(q, k - 1);
 }
 
+/* The values of q[0..n) replaced by their softmax, in float32. */
+static void softmax(scored *q, Py_ssize_t n) {
+    float max = q[0].value, sum = 0.0f;
+    for (Py_ssize_t i = 1; i < n; i++) max = q[i].value > max ? q[i].value : max;
+    for (Py_ssize_t i = 0; i < n; i++) sum += q[i].value = expf(q[i].value - max);
+    for (Py_ssize_t i = 0; i < n; i++) q[i].value /= sum;
+}
+
 int nanoserve_moe_route(const float *logits, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k,
-                        int normalize, float *weights, int64_t *experts) {
+                        int normalize, int among_chosen, float *weights, int64_t *experts) {
     scored *q = malloc((size_t)E * sizeof *q);
     if (!q) return -1;
     for (Py_ssize_t t = 0; t < T; t++) {
         const float *l = logits + t * E;
-        float *w = weights + t * k, max = l[0], sum = 0.0f;
+        float *w = weights + t * k;
         int64_t *ids = experts + t * k;
-        for (Py_ssize_t e = 1; e < E; e++) max = l[e] > max ? l[e] : max;
-        for (Py_ssize_t e = 0; e < E; e++) sum += q[e].value = expf(l[e] - max);
-        for (Py_ssize_t e = 0; e < E; e++) q[e].value /= sum, q[e].index = e;
+        for (Py_ssize_t e = 0; e < E; e++) q[e].value = l[e], q[e].index = e;
+        if (!among_chosen) softmax(q, E);
         topk(q, E, k);
+        if (among_chosen) softmax(q, k);
         float chosen = 0.0f;
         for (Py_ssize_t j = 0; j < k; j++) {
             ids[j] = q[j].index;
             chosen += w[j] = q[j].value;
         }
-        for (Py_ssize_t j = 0; normalize && j < k; j++) w[j] /= chosen;
+        /* (gpt-oss's softmax among the chosen sums to 1 already: not divided again) */
+        for (Py_ssize_t j = 0; normalize && !among_chosen && j < k; j++) w[j] /= chosen;
     }
     free(q);
     return 0;
@@ -211,6 +220,31 @@ static Py_ssize_t sort_pairs(const int64_t *ids, const float *weights, Py_ssize_
         weight[s] = weights[p];
     }
     return G;
+}
+
+void nanoserve_clamped_swiglu_rows(float *act, const float *gate_up, Py_ssize_t rows,
+                                   Py_ssize_t inter, float alpha, float limit) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *a = act + r * inter;
+        for (Py_ssize_t i = 0; i < inter; i++) {
+            const float gi = g[i] > limit ? limit : g[i]; /* a NaN stays one, as torch.clamp's */
+            const float ui = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+            const float glu = gi * (1.0f / (1.0f + expf(-(gi * alpha))));
+            a[i] = (ui + 1.0f) * glu;
+        }
+    }
+}
+
+/* gpt-oss: each pair's expert's bias added to its n values at rows[s] (stride apart). */
+static void add_expert_bias(float *rows, Py_ssize_t stride, const float *bias, Py_ssize_t n,
+                            const int64_t *groups, Py_ssize_t G) {
+    if (!bias) return;
+    for (Py_ssize_t g = 0; g < G; g++) {
+        const float *b = bias + groups[3 * g] * n;
+        for (int64_t s = groups[3 * g + 1]; s < groups[3 * g + 1] + groups[3 * g + 2]; s++)
+            for (Py_ssize_t i = 0; i < n; i++) rows[s * stride + i] += b[i];
+    }
 }
 
 /* Float experts: out[s] (row stride ldo) = in[rows[s]] (rows NULL: in[s]) times the transpose of
@@ -253,7 +287,8 @@ int nanoserve_moe(float *out, const float *x, const float *logits, Py_ssize_t M,
     int64_t *ids = ints, *token = ids + P, *groups = token + P, *next = groups + 3 * E;
     float *weights = floats, *weight = weights + P, *gate_up = weight + P;
     float *act = gate_up + 2 * P * I, *y = act + P * I, *xs = y + P * H, *ys = xs + widest;
-    if (nanoserve_moe_route(logits, M, E, k, w->normalize, weights, ids) < 0) goto done;
+    if (nanoserve_moe_route(logits, M, E, k, w->normalize, w->gpt_oss, weights, ids) < 0)
+        goto done;
     const Py_ssize_t G = sort_pairs(ids, weights, P, k, E, token, weight, groups, next);
     if (w->gate_format && w->gate_format == w->up_format) {
         float *const outs[2] = {gate_up, gate_up + I};
@@ -267,10 +302,16 @@ int nanoserve_moe(float *out, const float *x, const float *logits, Py_ssize_t M,
                       xs, ys, num_threads);
     }
     if (rc < 0) goto done;
-    nanoserve_gated_rows(act, gate_up, P, I, NS_F32, 0, num_threads);
+    add_expert_bias(gate_up, 2 * I, w->gate_bias, I, groups, G);
+    add_expert_bias(gate_up + I, 2 * I, w->up_bias, I, groups, G);
+    if (w->gpt_oss)
+        nanoserve_clamped_swiglu_rows(act, gate_up, P, I, w->alpha, w->limit);
+    else
+        nanoserve_gated_rows(act, gate_up, P, I, NS_F32, 0, num_threads);
     rc = project(y, H, w->down, w->down_format, act, P, NULL, P, groups, G, H, I, xs, ys,
                  num_threads);
     if (rc < 0) goto done;
+    add_expert_bias(y, H, w->down_bias, H, groups, G);
     memset(out, 0, (size_t)(M * H) * sizeof(float));
     for (Py_ssize_t s = 0; s < P; s++) {
         float *o = out + token[s] * H;
@@ -285,12 +326,13 @@ done:
 
 PyObject *nanoserve_py_moe_route(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
-    static char *kwlist[] = {"logits", "T", "E", "k", "normalize", "weights", "experts", NULL};
+    static char *kwlist[] = {"logits", "T", "E", "k", "normalize", "weights", "experts",
+                             "among_chosen", NULL};
     unsigned long long logits, weights, experts;
     Py_ssize_t T, E, k;
-    int normalize;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KnnnpKK", kwlist, &logits, &T, &E, &k,
-                                     &normalize, &weights, &experts))
+    int normalize, among_chosen = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KnnnpKK|p", kwlist, &logits, &T, &E, &k,
+                                     &normalize, &weights, &experts, &among_chosen))
         return NULL;
     if (T < 0 || E < 1 || k < 1 || k > E) {
         PyErr_Format(PyExc_ValueError, "moe_route: [T, E, k] = [%zd, %zd, %zd] out of range", T,
@@ -299,9 +341,29 @@ PyObject *nanoserve_py_moe_route(PyObject *self, PyObject *args, PyObject *kwarg
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS;
-    rc = nanoserve_moe_route((const float *)(uintptr_t)logits, T, E, k, normalize,
+    rc = nanoserve_moe_route((const float *)(uintptr_t)logits, T, E, k, normalize, among_chosen,
                              (float *)(uintptr_t)weights, (int64_t *)(uintptr_t)experts);
     Py_END_ALLOW_THREADS;
     if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+PyObject *nanoserve_py_clamped_swiglu(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)self;
+    static char *kwlist[] = {"act", "gate_up", "rows", "inter", "alpha", "limit", NULL};
+    unsigned long long act, gate_up;
+    Py_ssize_t rows, inter;
+    float alpha, limit;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKnnff", kwlist, &act, &gate_up, &rows,
+                                     &inter, &alpha, &limit))
+        return NULL;
+    if (rows < 0 || inter < 0) {
+        PyErr_Format(PyExc_ValueError, "clamped_swiglu: rows %zd, inter %zd", rows, inter);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    nanoserve_clamped_swiglu_rows((float *)(uintptr_t)act, (const float *)(uintptr_t)gate_up,
+                                  rows, inter, alpha, limit);
+    Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }

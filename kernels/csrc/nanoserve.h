@@ -380,18 +380,28 @@ int nanoserve_quant_experts(float *const outs[], Py_ssize_t ldo, const char *con
 
 /* moe.c: the routing of a mixture of experts, for each of T rows of router logits [T, E]: the
  * softmax in float32, the top k (at equal scores the experts torch.topk chooses), their
- * weights renormalized to sum to 1 where normalize; weights [T, k] float32, experts [T, k]. 0,
- * or -1 when out of memory. */
+ * weights renormalized to sum to 1 where normalize; or (among_chosen, gpt-oss) the top k logits
+ * softmaxed among themselves (normalize then ignored). weights [T, k] float32, experts [T, k]. 0, or -1 when out of
+ * memory. */
 int nanoserve_moe_route(const float *logits, Py_ssize_t T, Py_ssize_t E, Py_ssize_t k,
-                         int normalize, float *weights, int64_t *experts);
+                        int normalize, int among_chosen, float *weights, int64_t *experts);
 
-/* A sparse mixture-of-experts block's weights (Qwen3-MoE, Mixtral): each projection's experts
- * one after another, floats (format 0: float32 [E, N, K]) or GGUF blocks of that GGML type. */
+/* moe.c: gpt-oss's activation of rows [gate | up] float32: act = (u + 1) g sigmoid(alpha g),
+ * g = gate clamped to at most limit, u = up clamped to [-limit, limit]. */
+void nanoserve_clamped_swiglu_rows(float *act, const float *gate_up, Py_ssize_t rows,
+                                   Py_ssize_t inter, float alpha, float limit);
+
+/* A sparse mixture-of-experts block's weights (Qwen3-MoE, Mixtral, gpt-oss): each projection's
+ * experts one after another, floats (format 0: float32 [E, N, K]) or GGUF blocks of that GGML
+ * type. gpt-oss: each expert's biases ([E, N] float32; NULL: none), its routing (softmax among the
+ * chosen) and its clamped SwiGLU (alpha and limit). */
 typedef struct {
     const void *gate, *up, *down;
     int gate_format, up_format, down_format;
     Py_ssize_t experts, top_k, inter;
-    int normalize;
+    int normalize, gpt_oss;
+    const float *gate_bias, *up_bias, *down_bias;
+    float alpha, limit;
 } moe_weights;
 
 /* moe.c: out [M, H] float32 = the block's output for x [M, H] float32 (normed) whose router
@@ -429,6 +439,7 @@ PyObject *nanoserve_py_check_positions(PyObject *self, PyObject *args, PyObject 
 PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quant_experts(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_moe_route(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_clamped_swiglu(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_copy_rows(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_dequantize(PyObject *self, PyObject *args, PyObject *kwargs);

@@ -267,11 +267,12 @@ def gated_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
 
 
 def route_experts(
-    logits: torch.Tensor, top_k: int, normalize: bool
+    logits: torch.Tensor, top_k: int, normalize: bool, among_chosen: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture of experts' routing of router logits [tokens, experts]: (weights [tokens, top_k]
     float32, experts [tokens, top_k] int64), the top k of the logits' softmax in float32 (at equal
-    scores the lower index first, as torch.topk), renormalized to sum to 1 where normalize.
+    scores the experts torch.topk chooses), renormalized to sum to 1 where normalize; or
+    (among_chosen, gpt-oss) the top k logits softmaxed among themselves.
 
     On a CPU the C kernel, which the one-call C decode step uses too (the same bits whichever path
     a row's step takes); anything else to torch.
@@ -280,12 +281,30 @@ def route_experts(
     if not 1 <= top_k <= logits.shape[1]:
         raise ValueError(f"top_k must be in [1, {logits.shape[1]}], got {top_k}")
     if logits.device.type != "cpu" or not c_backend.enabled():
-        return torch_ref.route_experts(logits, top_k, normalize)
+        return torch_ref.route_experts(logits, top_k, normalize, among_chosen)
     logits = logits.float().contiguous()
     weights = torch.empty((logits.shape[0], top_k), dtype=torch.float32)
     experts = torch.empty((logits.shape[0], top_k), dtype=torch.int64)
-    c_backend.route_experts(logits, top_k, normalize, weights, experts)
+    c_backend.route_experts(logits, top_k, normalize, weights, experts, among_chosen)
     return weights, experts
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of gate_up [rows, 2 * inter] = [gate | up]: (up + 1) * gate *
+    sigmoid(alpha * gate), gate clamped to at most limit and up to [-limit, limit].
+
+    CPU float32 goes to the C kernel, which the one-call C decode step uses too (the same bits
+    whichever path a row's step takes); anything else to torch.
+    """
+    _check_tensor("gate_up", gate_up, "[rows, 2 * inter]")
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must have an even width, got {gate_up.shape[1]}")
+    cpu = gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
+    if not cpu or not c_backend.enabled():
+        return torch_ref.clamped_swiglu(gate_up, alpha, limit)
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=torch.float32)
+    c_backend.clamped_swiglu(gate_up, out, alpha, limit)
+    return out
 
 
 def _cpu_ops(x: torch.Tensor) -> ModuleType:

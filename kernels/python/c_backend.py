@@ -232,7 +232,12 @@ def quant_linear(
 
 
 def route_experts(
-    logits: torch.Tensor, top_k: int, normalize: bool, weights: torch.Tensor, experts: torch.Tensor
+    logits: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    among_chosen: bool,
 ) -> None:
     _C.moe_route(
         logits=logits.data_ptr(),
@@ -242,6 +247,18 @@ def route_experts(
         normalize=normalize,
         weights=weights.data_ptr(),
         experts=experts.data_ptr(),
+        among_chosen=among_chosen,
+    )
+
+
+def clamped_swiglu(gate_up: torch.Tensor, out: torch.Tensor, alpha: float, limit: float) -> None:
+    _C.clamped_swiglu(
+        act=out.data_ptr(),
+        gate_up=gate_up.data_ptr(),
+        rows=gate_up.shape[0],
+        inter=out.shape[1],
+        alpha=float(alpha),
+        limit=float(limit),
     )
 
 
@@ -395,11 +412,13 @@ def decode_layers(
     local: tuple[torch.Tensor, torch.Tensor] | None = None,
     gelu: bool = False,
     moe: tuple[int, int, int, bool] = (0, 0, 0, False),
+    gpt_oss: tuple[float, float] | None = None,
 ) -> None:
     """Every layer of a decode step on h ([rows, hidden], in place); layers: from layer_table.
     windows: [layers] int64, a layer's sliding window (0: none), whose layers rotate by local's
     (cos, sin), tables of cos's shape; gelu: GELU-tanh instead of SiLU; moe: the mixture of
-    experts' (experts, top_k, expert_size, normalize) where layers have a router."""
+    experts' (experts, top_k, expert_size, normalize) where layers have a router; gpt_oss: its
+    SwiGLU's (alpha, limit), and its routing."""
     experts, top_k, expert_size, normalize = moe
     if windows is not None:
         assert local is not None and local[0].shape == cos.shape == local[1].shape
@@ -435,4 +454,7 @@ def decode_layers(
         top_k=top_k,
         expert_size=expert_size,
         normalize=normalize,
+        gpt_oss=gpt_oss is not None,
+        swiglu_alpha=gpt_oss[0] if gpt_oss else 0.0,
+        swiglu_limit=gpt_oss[1] if gpt_oss else 0.0,
     )

@@ -161,13 +161,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 def route_experts(
-    logits: torch.Tensor, top_k: int, normalize: bool
+    logits: torch.Tensor, top_k: int, normalize: bool, among_chosen: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if among_chosen:
+        top, experts = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=torch.float32), experts
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def gated_mul(gate_up: torch.Tensor, out: torch.Tensor, gelu: bool) -> None:

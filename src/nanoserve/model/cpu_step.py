@@ -35,9 +35,8 @@ from nanoserve.model.quantized import Blocks
 from nanoserve.model.weights import LAYER, LayerWeights, Matrix, matrices
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-# The fields of the C step's struct layer_weights: a layer's, but gpt-oss's (which the C step does
-# not run: such a model decodes layer by layer).
-C_FIELDS = tuple(name for name, t in LAYER if t.when != "gpt_oss")
+# The fields of the C step's struct layer_weights: every field of a layer.
+C_FIELDS = tuple(name for name, _ in LAYER)
 
 
 class CpuDecodeStep:
@@ -129,6 +128,7 @@ class CpuDecodeStep:
             moe=(c.num_experts, c.experts_per_token, c.expert_size, c.norm_topk_prob)
             if c.moe
             else (0, 0, 0, False),
+            gpt_oss=(c.swiglu_alpha, c.swiglu_limit) if c.gpt_oss else None,
         )
 
     def layer_table(self, kv_caches: KVCaches, dtype: torch.dtype) -> object:
@@ -197,8 +197,6 @@ def not_in_c(layers: list[LayerWeights]) -> str | None:
     """Why the C step cannot take these layers where it is their norms' dtype; None: it can."""
     if not layers:
         return None
-    if layers[0].sinks is not None:  # (the decode kernel has them; the step passes none)
-        return "attention sinks (gpt-oss; not in the C step)"
     dtype = layers[0].input_norm.dtype  # GGUF blocks' activations: float32, as their norms
     if isinstance(layers[0].qkv.weight, torch.Tensor):
         dtype = layers[0].qkv.weight.dtype
@@ -207,4 +205,9 @@ def not_in_c(layers: list[LayerWeights]) -> str | None:
     norms = [getattr(x, name) for x in layers for name, t in LAYER if t.kind == "norm"]
     if any(n is not None and n.dtype != dtype for n in norms):
         return f"float32 norm weights in a {str(dtype).removeprefix('torch.')} model"
+    vectors = [getattr(x, name) for x in layers for name, t in LAYER if "bias" in t.kind]
+    experts = [e.weight for x in layers for e in (x.experts_gate, x.experts_up, x.experts_down)
+               if e is not None and isinstance(e.weight, torch.Tensor)]  # fmt: skip
+    if any(v is not None and not v.is_contiguous() for v in [*norms, *vectors, *experts]):
+        return "a norm, bias or experts tensor that is not contiguous"
     return None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from nanoserve.kernels import clamped_swiglu, route_experts
 from nanoserve.model.moe import (
     Experts,
     add_up,
@@ -92,18 +93,11 @@ def as_kept(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts) [tokens, top_k]: the k largest logits, softmaxed among themselves."""
-    top, experts = torch.topk(logits, top_k, dim=-1)
-    return torch.softmax(top, dim=-1, dtype=top.dtype), experts
-
-
-def clamped_swiglu(
-    gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
-) -> torch.Tensor:
-    """gpt-oss's activation: gate clamped above, up on both sides, (up + 1) * gate's GLU."""
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    """(weights, experts) [tokens, top_k]: the k largest logits (torch.topk's choice at ties),
+    softmaxed among themselves in float32 and rounded to the logits' dtype, as transformers does;
+    on a CPU the C routing the one-call C decode step shares."""
+    weights, experts = route_experts(logits, top_k, normalize=False, among_chosen=True)
+    return weights.to(logits.dtype), experts
 
 
 def experts_moe(
@@ -129,16 +123,18 @@ def experts_moe(
     chosen = experts.flatten()[order]  # each pair's expert
     out = torch.zeros_like(x)
     if one_call and in_blocks(logits.shape[-1], gate, up, down):
-        g, u = gate_up(x.float().contiguous(), gate, up, tokens, counts).chunk(2, dim=1)
-        h = clamped_swiglu(g + gate_bias[chosen], u + up_bias[chosen], alpha, limit)
+        gu = gate_up(x.float().contiguous(), gate, up, tokens, counts)
+        g, u = gu.chunk(2, dim=1)  # views: the biases added in place
+        g += gate_bias[chosen]
+        u += up_bias[chosen]
+        h = clamped_swiglu(gu, alpha, limit)
         y = (down_of(h.float().contiguous(), down, counts) + down_bias[chosen]) * pair_weights
         return add_up(out, y, tokens, counts)
     for expert, pairs in each_expert(counts, gate.held):
         rows, e = tokens[pairs], expert - gate.held.start  # its row of the biases
         xs = x[rows]
-        h = clamped_swiglu(
-            gate(expert, xs) + gate_bias[e], up(expert, xs) + up_bias[e], alpha, limit
-        )
+        gu = torch.cat([gate(expert, xs) + gate_bias[e], up(expert, xs) + up_bias[e]], dim=1)
+        h = clamped_swiglu(gu, alpha, limit)
         y = (down(expert, h) + down_bias[e]) * pair_weights[pairs]
         out.index_add_(0, rows, y.to(x.dtype))
     return out
