@@ -179,10 +179,11 @@ def weight_bytes(engine: Engine) -> tuple[int, int, int]:
 def union_of_experts(engine: Engine, vocab: int, router: tuple[object, str]) -> float:
     """The mean count of distinct experts a layer's 8-token decode step chose, from the routing
     (`router`: a module and its routing function's name) of an 8-sequence run (untimed; its
-    8-row steps take the layer-by-layer path)."""
+    steps taken layer by layer, whose routing is the one-call C step's, bit for bit)."""
     counts: list[int] = []
     module, name = router
     route = getattr(module, name)
+    step, engine.runner.cpu_step = engine.runner.cpu_step, None
 
     def counting(logits: torch.Tensor, *args):
         weights, experts = route(logits, *args)
@@ -195,6 +196,7 @@ def union_of_experts(engine: Engine, vocab: int, router: tuple[object, str]) -> 
         nanoserve_case(engine, prompts(8, 32, vocab, 7), 16)
     finally:
         setattr(module, name, route)
+        engine.runner.cpu_step = step
     return sum(counts) / len(counts)
 
 
