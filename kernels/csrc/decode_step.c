@@ -25,8 +25,8 @@
  * formats (a Q4_K_M file's q and k in Q4_K, v in Q6_K) the matrix comes as its parts, each in its
  * own format, multiplied one after the other into their columns of one output.
  *
- * A layer with a router has a mixture of experts in place of its MLP (Qwen3-MoE, Mixtral; float32
- * activations): its router's logits by the step's matmul, the rest by moe.c, which the
+ * A layer with a router has a mixture of experts in place of its MLP (Qwen3-MoE, Mixtral, gpt-oss;
+ * float32 activations): its router's logits by the step's matmul, the rest by moe.c, which the
  * layer-by-layer path's routing shares. Its experts, floats or GGUF blocks, take the step's rows
  * as the matrices do (more than NS_GEMV_ROWS in blocks only).
  */

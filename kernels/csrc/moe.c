@@ -1,10 +1,12 @@
-/* A sparse mixture-of-experts block (Qwen3-MoE, Mixtral) in C: its routing, for both paths, and
- * the whole block for the one-call C decode step (decode_step.c).
+/* A sparse mixture-of-experts block (Qwen3-MoE, Mixtral, gpt-oss) in C: its routing and
+ * activations, for both paths, and the whole block for the one-call C decode step
+ * (decode_step.c).
  *
  * The layer-by-layer path (src/nanoserve/model/moe.py) routes with nanoserve_moe_route too, and
  * multiplies with the same kernels (quant_experts.c's matmul of the chosen experts, or the GEMV
- * for float experts; norm_rope.c's gated product), so that a row's result is the same bits
- * whichever path its step takes. The rest is sparse_moe's arithmetic in float32: the token-expert
+ * for float experts; norm_rope.c's gated product, or gpt-oss's clamped SwiGLU below), so that a
+ * row's result is the same bits whichever path its step takes (gpt-oss: src/nanoserve/model/
+ * gpt_oss.py, its experts' biases added before the activation and after down). The rest is sparse_moe's arithmetic in float32: the token-expert
  * pairs sorted by expert (stable, as torch.argsort(stable=True)), each pair's output times its
  * weight, and a token's pairs added up in that order from zero (torch's index_add_).
  */

@@ -8,10 +8,10 @@ attention) back to back, so a decode step returns to Python once. Prefill chunks
 other devices and dtypes take the layer-by-layer path. A family's options (biases, Qwen3's q/k
 norms, Gemma 3's output norms) are fields of the C step too, a null pointer where the model has
 none; Gemma 3's windows (one per layer, with the local RoPE tables) and GELU-tanh are arguments.
-A mixture of experts (Qwen3-MoE, Mixtral) takes the C step in float32 (kernels/csrc/moe.c: the
-router, routing, the chosen experts' matmuls; its sizes are arguments). A Gemma model in bfloat16
-decodes layer by layer (its norm weights are float32), as does a mixture of experts in bfloat16
-and gpt-oss (its attention sinks); the log says so.
+A mixture of experts (Qwen3-MoE, Mixtral, gpt-oss with its sinks) takes the C step in float32
+(kernels/csrc/moe.c: router, routing, the chosen experts' matmuls; its sizes are arguments). A
+Gemma model in bfloat16 decodes layer by layer (its norm weights are float32), as does a mixture
+of experts in bfloat16; the log says so.
 """
 
 from __future__ import annotations
