@@ -528,7 +528,8 @@ def test_a_gguf_quantized_by_llama_cpp_keeps_its_blocks(
 
     with caplog.at_level(logging.INFO):
         llm, kept = greedy()
-    assert "; de-quantized to torch.float32: none" in caplog.text
+    assert "; de-quantized to torch.float32: none; repacked: " in caplog.text
+    assert "repacked: 0" not in caplog.text  # the K-quants in groups of 16 rows (quant_r16.c)
     assert llm.engine.runner.cpu_step is not None
     assert kept == greedy(quantization="none")[1]
 

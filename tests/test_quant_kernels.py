@@ -148,13 +148,22 @@ def test_the_block_formats_are_ggufs():
     qtype codes, against gguf's type ids and block sizes."""
     assert {"q8_0", "q4_0", "q4_1"} <= set(kernels.QUANT_TYPES)
     assert {"q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16"} <= set(kernels.QUANT_TYPES)
-    for name, (code, size, _) in c_backend.BLOCK_FORMATS.items():
+    for name, (code, size, _, file_format) in c_backend.BLOCK_FORMATS.items():
+        if file_format is not None:  # a repacked layout (test_quant_repacked.py): the file's sizes
+            assert (size, quant.BLOCK_VALUES[name]) == (
+                quant.BLOCK_BYTES[file_format],
+                quant.BLOCK_VALUES[file_format],
+            )
+            assert quant.REPACKED[file_format] == name
+            continue
         assert (code, size) == (GGML[name].value, quant.BLOCK_BYTES[name]), name
         values, nbytes = gguf.GGML_QUANT_SIZES[GGML[name]]
         if name in FLOATS:  # gguf's "block" is one value; the kernels take rows of 32
             values, nbytes = values * 32, nbytes * 32
         assert (values, nbytes) == (quant.BLOCK_VALUES[name], size), name
-    assert {name: GGML[name].value for name in GGML} == c_backend.QTYPE_CODES
+    formats = {name: code for name, code in c_backend.QTYPE_CODES.items() if name in GGML}
+    assert {name: GGML[name].value for name in GGML} == formats
+    assert len(set(c_backend.QTYPE_CODES.values())) == len(c_backend.QTYPE_CODES)  # one each
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED)

@@ -96,9 +96,10 @@ static PyMethodDef methods[] = {
      "dequantize(out, w, rows, num_rows, N, K, qtype, num_threads): out [num_rows, K] float32 = "
      "rows `rows` (int64 pointer; 0 for all N in order) of the block matrix w."},
     {"copy_rows", KW_FUNCTION(nanoserve_py_copy_rows), METH_VARARGS | METH_KEYWORDS,
-     "copy_rows(jobs): each (dst, src, rows, row_bytes, heads) copies rows of row_bytes bytes, "
-     "each head's rotary halves put back where heads > 0 (llama.cpp's Q and K rows), all with "
-     "the GIL released; pointers as ints."},
+     "copy_rows(jobs): each (dst, src, rows, row_bytes, heads[, repack]) copies rows of row_bytes "
+     "bytes, each head's rotary halves put back where heads > 0 (llama.cpp's Q and K rows), into "
+     "the r16 layout of a K-quant of repack bytes a block where repack > 0, all with the GIL "
+     "released; pointers as ints."},
     {"set_quant_isa", KW_FUNCTION(nanoserve_py_set_quant_isa), METH_VARARGS | METH_KEYWORDS,
      "set_quant_isa(isa, vnni=True, amx=True): the quantized kernels' path, 'portable', 'avx2' "
      "or 'avx512', capped to what the CPU runs, with AMX-INT8 GEMMs on the VNNI path if amx; "
@@ -121,7 +122,7 @@ static struct PyModuleDef module = {
     "Paged-attention decode, KV store, small-M linear, RMSNorm, RoPE, the one-call decode step and "
     "matmuls on GGUF block weights; C11 + OpenMP. GEMV_ROWS: the most rows small_linear and "
     "decode_layers take; BLOCK_FORMATS: {name: (GGML type id, bytes of a block, values of a "
-    "block along K)} of the block formats.",
+    "block along K, the file's format of an r16 one or None)} of the block formats.",
     -1,
     methods,
     NULL,

@@ -27,9 +27,11 @@
 extern const ns_block_format Q8_0_FORMAT, Q4_0_FORMAT, Q4_1_FORMAT;
 extern const ns_block_format Q5_0_FORMAT, Q5_1_FORMAT, Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT;
 extern const ns_block_format F16_FORMAT, BF16_FORMAT, MXFP4_FORMAT;
+extern const ns_block_format Q4_K_R16_FORMAT, Q5_K_R16_FORMAT, Q6_K_R16_FORMAT;
 static const ns_block_format *const FORMATS[] = {
-    &Q8_0_FORMAT, &Q4_0_FORMAT, &Q4_1_FORMAT, &Q5_0_FORMAT, &Q5_1_FORMAT,
-    &Q4_K_FORMAT, &Q5_K_FORMAT, &Q6_K_FORMAT, &F16_FORMAT,  &BF16_FORMAT, &MXFP4_FORMAT};
+    &Q8_0_FORMAT,     &Q4_0_FORMAT,     &Q4_1_FORMAT,    &Q5_0_FORMAT, &Q5_1_FORMAT,
+    &Q4_K_FORMAT,     &Q5_K_FORMAT,     &Q6_K_FORMAT,    &F16_FORMAT,  &BF16_FORMAT,
+    &MXFP4_FORMAT,    &Q4_K_R16_FORMAT, &Q5_K_R16_FORMAT, &Q6_K_R16_FORMAT};
 enum { NUM_FORMATS = sizeof FORMATS / sizeof FORMATS[0] };
 
 const ns_block_format *ns_block_format_of(int code) {
@@ -246,7 +248,7 @@ int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const voi
         }
         /* A contiguous range of output features per thread; the split never changes a result. */
         const Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const Py_ssize_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+        const Py_ssize_t n0 = ns_share(N, t, nt, f), n1 = ns_share(N, t + 1, nt, f);
         if (n0 < n1) kernel(&a, n0, n1);
     }
     free(base);
@@ -271,7 +273,8 @@ PyObject *nanoserve_py_quant_linear(PyObject *self, PyObject *args, PyObject *kw
         return NULL;
     if (ldo == -1) ldo = N;
     const ns_block_format *f = ns_block_format_of(qtype);
-    if (!f || M < 0 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1 || ldo < N) {
+    if (!f || M < 0 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1 || ldo < N ||
+        (f->rows && N % NS_R16)) {
         PyErr_Format(PyExc_ValueError, "quant_linear: qtype code %d, [M, N, K] = [%zd, %zd, %zd], "
                      "num_threads %d or ldo %zd out of range", qtype, M, N, K, num_threads, ldo);
         return NULL;
@@ -290,8 +293,8 @@ PyObject *nanoserve_block_formats(void) {
     PyObject *formats = PyDict_New();
     for (int i = 0; formats && i < NUM_FORMATS; i++) {
         const ns_block_format *f = FORMATS[i];
-        PyObject *row =
-            Py_BuildValue("(ini)", f->code, (Py_ssize_t)f->block_bytes, ns_block_values(f));
+        PyObject *row = Py_BuildValue("(iniz)", f->code, (Py_ssize_t)f->block_bytes,
+                                      ns_block_values(f), f->rows ? f->rows->name : NULL);
         if (!row || PyDict_SetItemString(formats, f->name, row) < 0) Py_CLEAR(formats);
         Py_XDECREF(row);
     }

@@ -95,8 +95,13 @@ enum ns_path { NS_PORTABLE, NS_AVX2, NS_AVX512, NS_AVX512_VNNI, NS_AMX, NS_NUM_P
 enum ns_ggml_type {
     GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
     GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30, GGML_MXFP4 = 39,
+    /* nanoserve's own: the K-quants repacked at load in groups of NS_R16 rows (quant_r16.c) */
+    NS_Q4_K_R16, NS_Q5_K_R16, NS_Q6_K_R16,
     NS_NUM_GGML_TYPES
 };
+
+/* The rows of a group of an r16 format (quant_r16.c). */
+enum { NS_R16 = 16 };
 
 /* Each SIMD path's kernels by GGML type id: quant_simd.h's table, which quant_avx2.c,
  * quant_avx512.c, quant_avx512_vnni.c and quant_amx.c compile once each. */
@@ -107,7 +112,7 @@ extern const ns_matmul_fn *const NS_AVX2_KERNELS, *const NS_AVX512_KERNELS,
 
 /* A block format: what the driver (quant.c, quant_convert.c) needs of it. Each format's file
  * defines one, named <NAME>_FORMAT; quant.c's table lists them. */
-typedef struct {
+typedef struct ns_block_format {
     enum ns_ggml_type code;
     const char *name; /* as kernels.QUANT_TYPES has it: GGML's type name in lower case */
     size_t block_bytes;
@@ -124,6 +129,9 @@ typedef struct {
     /* The VNNI paths' GEMV (M <= NS_BYTE_ROWS) unpacks W to bytes (quant_bytes.h), taking the
      * activations as ns_xq's hi and lo. */
     int byte_gemv;
+    /* An r16 format (quant_r16.c): the format `rows` of the file (its blocks' layout and
+     * arithmetic), its matrices' rows interleaved in groups of NS_R16; NULL for the others. */
+    const struct ns_block_format *rows;
 } ns_block_format;
 
 /* Rows of x the byte GEMV takes, a tile of AVX-512's GEMV_ROWS (8) at a time over each strip
@@ -140,6 +148,21 @@ const ns_block_format *ns_block_format_of(int code);
  * `split`, into hi and lo bytes if `bytes`; returns the allocation to free, or NULL), and row m of x quantized into it in `order`
  * (the format's pairs, NULL on the portable path). */
 int ns_quant_path(void);
+
+/* quant_r16.c: an r16 matrix's row n's block kb copied to dst (its rows of row_bytes, its blocks
+ * of block_bytes); rows (a multiple of NS_R16) of the file's layout at src repacked into dst. */
+void ns_r16_block(char *dst, const char *w, size_t row_bytes, size_t block_bytes, Py_ssize_t n,
+                  Py_ssize_t kb);
+void ns_r16_repack(char *dst, const char *src, Py_ssize_t rows, size_t row_bytes,
+                   size_t block_bytes);
+
+/* The first of N output features that thread t of nt computes (t = nt: N): contiguous shares, on
+ * an r16 format's group boundaries (N is a multiple of NS_R16 there). */
+static inline Py_ssize_t ns_share(Py_ssize_t N, Py_ssize_t t, Py_ssize_t nt,
+                                  const ns_block_format *f) {
+    const Py_ssize_t unit = f->rows ? NS_R16 : 1;
+    return N / unit * t / nt * unit;
+}
 ns_matmul_fn ns_path_kernel(const ns_block_format *f, int path);
 void *ns_xq_alloc(ns_xq *xq, Py_ssize_t M, Py_ssize_t K, int split, int bytes);
 void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py_ssize_t m);

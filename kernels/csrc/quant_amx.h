@@ -85,9 +85,8 @@ NS_INLINE void amx_unpack_panel(amx_block *panel, const ns_qmm *a, Py_ssize_t n0
     for (Py_ssize_t i = p; i < pe; i++) {
         const Py_ssize_t c0 = n0 + STRIP_W * i;
         const int n = n1 - c0 < STRIP_W ? (int)(n1 - c0) : STRIP_W;
-        const char *w = a->w + (size_t)c0 * a->row_bytes;
         for (Py_ssize_t b = 0; b < nb; b++) {
-            if (f.subs <= 1 || b % f.subs == 0) unpack_block(s, w, a->row_bytes, b, n, f);
+            if (f.subs <= 1 || b % f.subs == 0) unpack_block(s, a, c0, b, n, f);
             amx_pack(panel + (i - p) * nb + b, &s[f.subs <= 1 ? 0 : b % f.subs]);
         }
     }

@@ -54,18 +54,18 @@ NS_INLINE void byte_step(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq, 
     }
 }
 
-/* The blocks at w of the strip's rows (the last strip's first n) as bytes into s, as
+/* Block b of the strip's rows from column c0 (the last strip's first n) as bytes into s, as
  * unpack_block does for pairs. */
-NS_INLINE void unpack_bytes_block(strip8 *s, const char *w, size_t stride, Py_ssize_t b, int n,
+NS_INLINE void unpack_bytes_block(strip8 *s, const ns_qmm *a, Py_ssize_t c0, Py_ssize_t b, int n,
                                   const strip_format f) {
-    w += (size_t)(f.subs <= 1 ? b : b / f.subs) * f.block_bytes;
-    if (n == STRIP_W) {
-        f.unpack_bytes(s, w, stride);
+    const strip_src src = src_of(a, c0, b, f);
+    if (n == STRIP_W || f.r16) {
+        f.unpack_bytes(s, src);
         return;
     }
     _Alignas(64) char rows[STRIP_W][NS_MAX_BLOCK_BYTES] = {{0}};
-    for (int c = 0; c < n; c++) memcpy(rows[c], w + (size_t)c * stride, f.block_bytes);
-    f.unpack_bytes(s, rows[0], sizeof rows[0]);
+    for (int c = 0; c < n; c++) memcpy(rows[c], src.w + (size_t)c * src.stride, f.block_bytes);
+    f.unpack_bytes(s, (strip_src){rows[0], sizeof rows[0], 0, 0, 0});
 }
 
 /* Rows r0 .. r0 + mr of out by the strip from column c0 (`last` columns wide), over all of K. */
@@ -78,10 +78,9 @@ NS_INLINE void byte_tile(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_
     for (int r = 0; r < mr; r++) acc[r] = fv_zero();
     strip8 s[QK_K / QK];
     const ahead next = ahead_of(a, c0, 1);
-    const char *w = a->w + (size_t)c0 * a->row_bytes;
     for (Py_ssize_t b = 0; b < nb; b++) {
         prefetch_share(next, b, nb);
-        if (b % subs == 0) unpack_bytes_block(s, w, a->row_bytes, b, last, f);
+        if (b % subs == 0) unpack_bytes_block(s, a, c0, b, last, f);
         byte_step(acc, s + b % subs, a->x, r0, mr, b, f);
     }
     for (int r = 0; r < mr; r++) store_cols(a->out + (r0 + r) * a->ldo + c0, last, acc[r]);

@@ -16,17 +16,25 @@ static void quantize_rows(char *out, const float *w, Py_ssize_t N, Py_ssize_t K,
                         w + n * K + b * bv);
 }
 
-/* out [R, K] = rows rows[r] of w (or every row, in order, when rows is NULL). */
+/* out [R, K] = rows rows[r] of w (or every row, in order, when rows is NULL); an r16 format's
+ * blocks gathered (quant_r16.c), then de-quantized by the file's format. */
 static void dequantize_rows(float *out, const char *w, const int64_t *rows, Py_ssize_t R,
                             Py_ssize_t K, const ns_block_format *f, int num_threads) {
     const int bv = ns_block_values(f);
     const Py_ssize_t nb = K / bv;
+    const size_t row_bytes = (size_t)nb * f->block_bytes;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (Py_ssize_t r = 0; r < R; r++) {
         const size_t n = rows ? (size_t)rows[r] : (size_t)r;
-        for (Py_ssize_t b = 0; b < nb; b++)
-            f->dequantize(out + r * K + b * bv,
-                          w + (n * (size_t)nb + (size_t)b) * f->block_bytes);
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            const char *block = w + (n * (size_t)nb + (size_t)b) * f->block_bytes;
+            _Alignas(64) char gathered[NS_MAX_BLOCK_BYTES];
+            if (f->rows) {
+                ns_r16_block(gathered, w, row_bytes, f->block_bytes, (Py_ssize_t)n, b);
+                block = gathered;
+            }
+            (f->rows ? f->rows : f)->dequantize(out + r * K + b * bv, block);
+        }
     }
 }
 
@@ -35,7 +43,8 @@ static void dequantize_rows(float *out, const char *w, const int64_t *rows, Py_s
 static const ns_block_format *check_format(const char *fn, Py_ssize_t N, Py_ssize_t K, int qtype,
                                            int num_threads) {
     const ns_block_format *f = ns_block_format_of(qtype);
-    if (!f || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1) {
+    if (!f || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1 ||
+        (f && f->rows && N % NS_R16)) {
         PyErr_Format(PyExc_ValueError, "%s: qtype code %d, [N, K] = [%zd, %zd] or num_threads %d "
                      "out of range", fn, qtype, N, K, num_threads);
         return NULL;

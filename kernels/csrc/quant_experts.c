@@ -21,7 +21,7 @@
 #include <stdlib.h>
 
 /* Columns a unit of work: 64 rows of W (72 KiB of a Q4_K row of 2048), several strips, so that the
- * GEMV's prefetch of the next strip stays ahead. */
+ * GEMV's prefetch of the next strip stays ahead; a multiple of NS_R16 (an r16 format's groups). */
 enum { CHUNK = 64 };
 
 /* The matmul of one group of rows: rows [start, start + count) of the pairs' activations by the
@@ -137,7 +137,7 @@ PyObject *nanoserve_py_quant_experts(PyObject *self, PyObject *args, PyObject *k
     const Py_ssize_t nw = PyTuple_GET_SIZE(ws_obj);
     if (!f || nw < 1 || nw > 2 || PyTuple_GET_SIZE(outs_obj) != nw || T < 0 || P < 0 || G < 0 ||
         E < 1 || N < 0 || K < 0 || K % ns_block_values(f) || num_threads < 1 ||
-        (ldo != -1 && ldo < N)) {
+        (ldo != -1 && ldo < N) || (f->rows && N % NS_R16)) {
         PyErr_Format(PyExc_ValueError, "quant_experts: qtype code %d, %zd weights, [T, P, G, E, N, "
                      "K, ldo] = [%zd, %zd, %zd, %zd, %zd, %zd, %zd] or num_threads %d out of range",
                      qtype, nw, T, P, G, E, N, K, ldo, num_threads);

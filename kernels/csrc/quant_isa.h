@@ -82,6 +82,9 @@ NS_INLINE fvec fv_add(fvec a, fvec b) { return ISA(_mm512_add_ps, _mm256_add_ps)
 NS_INLINE fvec fv_sub(fvec a, fvec b) { return ISA(_mm512_sub_ps, _mm256_sub_ps)(a, b); }
 NS_INLINE fvec fv_mul(fvec a, fvec b) { return ISA(_mm512_mul_ps, _mm256_mul_ps)(a, b); }
 NS_INLINE fvec fv_load(const float *p) { return ISA(_mm512_loadu_ps, _mm256_loadu_ps)(p); }
+NS_INLINE ivec iv_loadu(const char *p) {
+    return ISA(_mm512_loadu_si512, _mm256_loadu_si256)((const void *)p);
+}
 /* a b + c, one rounding */
 NS_INLINE fvec fv_fma(fvec a, fvec b, fvec c) {
     return ISA(_mm512_fmadd_ps, _mm256_fmadd_ps)(a, b, c);

@@ -16,7 +16,9 @@
 
 /* Lane bytes b0..b3 (values 4q..4q+3 of a half) as the pairs (b0, b2) and (b1, b3),
  * sign-extended (NS_BYTE_PAIRS). */
-NS_INLINE void q8_0_unpack(strip *s, const char *w, size_t stride) {
+NS_INLINE void q8_0_unpack(strip *s, strip_src src) {
+    const char *w = src.w;
+    const size_t stride = src.stride;
     const block_q8_0 *b = (const block_q8_0 *)w;
     strip_heads(&s->d, &s->m, w, stride, 0);
     ivec g[4], g1[4];
@@ -32,7 +34,9 @@ NS_INLINE void q8_0_unpack(strip *s, const char *w, size_t stride) {
 }
 
 /* As q8_0_unpack, into bytes (the byte GEMV): each value plus 128, as unsigned bytes. */
-NS_INLINE void q8_0_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+NS_INLINE void q8_0_unpack_bytes(strip8 *s, strip_src src) {
+    const char *w = src.w;
+    const size_t stride = src.stride;
     const block_q8_0 *b = (const block_q8_0 *)w;
     strip_heads(&s->d, &s->m, w, stride, 0);
     s->d2 = fv_zero();
@@ -59,7 +63,9 @@ static NS_KERNEL void q8_0_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
 /* ---------------------------------------------------------------- Q4_0, Q4_1 */
 
 /* d and the nibble pairs less 8 (NS_NIBBLE_PAIRS). */
-NS_INLINE void q4_0_unpack(strip *s, const char *w, size_t stride) {
+NS_INLINE void q4_0_unpack(strip *s, strip_src src) {
+    const char *w = src.w;
+    const size_t stride = src.stride;
     strip_heads(&s->d, &s->m, w, stride, 0);
     ivec g[4];
     transpose_rows(g, (const char *)((const block_q4_0 *)w)->qs, stride);
@@ -67,7 +73,9 @@ NS_INLINE void q4_0_unpack(strip *s, const char *w, size_t stride) {
 }
 
 /* d, m and the nibble pairs (NS_NIBBLE_PAIRS). */
-NS_INLINE void q4_1_unpack(strip *s, const char *w, size_t stride) {
+NS_INLINE void q4_1_unpack(strip *s, strip_src src) {
+    const char *w = src.w;
+    const size_t stride = src.stride;
     strip_heads(&s->d, &s->m, w, stride, 1);
     ivec g[4];
     transpose_rows(g, (const char *)((const block_q4_1 *)w)->qs, stride);
@@ -91,7 +99,9 @@ static NS_KERNEL void q4_1_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
  * for e = 0, halved exactly) and the nibble pairs (NS_NIBBLE_PAIRS) looked up in
  * NS_MXFP4_VALUES: each int16's low byte indexes the table, its high byte (0) takes table[0] = 0,
  * and the int8 value is then sign-extended. */
-NS_INLINE void mxfp4_unpack(strip *s, const char *w, size_t stride) {
+NS_INLINE void mxfp4_unpack(strip *s, strip_src src) {
+    const char *w = src.w;
+    const size_t stride = src.stride;
     const ivec e = iv_and(row_words(w, stride), iv_set32(255));
     s->d = fv_mul(iv_as_fv(iv_max32(iv_shl32(e, 23), iv_set32(0x00400000))), fv_set(0.5f));
     s->m = fv_zero();
@@ -105,7 +115,9 @@ NS_INLINE void mxfp4_unpack(strip *s, const char *w, size_t stride) {
 
 /* As mxfp4_unpack, into bytes (the byte GEMV): each value (NS_MXFP4_VALUES, -12..12) plus 128,
  * as unsigned bytes, as Q8_0's. Byte j of qs holds value j (low nibble) and j + 16 (high). */
-NS_INLINE void mxfp4_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+NS_INLINE void mxfp4_unpack_bytes(strip8 *s, strip_src src) {
+    const char *w = src.w;
+    const size_t stride = src.stride;
     const ivec e = iv_and(row_words(w, stride), iv_set32(255));
     s->d = fv_mul(iv_as_fv(iv_max32(iv_shl32(e, 23), iv_set32(0x00400000))), fv_set(0.5f));
     s->m = fv_zero();
@@ -149,7 +161,9 @@ NS_INLINE void q5_pairs(ivec p[16], const ivec g[4], ivec qh, const int zero_poi
 }
 
 /* d and the 5-bit pairs less 16 (NS_NIBBLE_PAIRS). */
-NS_INLINE void q5_0_unpack(strip *s, const char *w, size_t stride) {
+NS_INLINE void q5_0_unpack(strip *s, strip_src src) {
+    const char *w = src.w;
+    const size_t stride = src.stride;
     strip_heads(&s->d, &s->m, w, stride, 0);
     ivec g[4];
     transpose_rows(g, (const char *)((const block_q5_0 *)w)->qs, stride);
@@ -157,7 +171,9 @@ NS_INLINE void q5_0_unpack(strip *s, const char *w, size_t stride) {
 }
 
 /* d, m and the 5-bit pairs (NS_NIBBLE_PAIRS). */
-NS_INLINE void q5_1_unpack(strip *s, const char *w, size_t stride) {
+NS_INLINE void q5_1_unpack(strip *s, strip_src src) {
+    const char *w = src.w;
+    const size_t stride = src.stride;
     strip_heads(&s->d, &s->m, w, stride, 1);
     ivec g[4];
     transpose_rows(g, (const char *)((const block_q5_1 *)w)->qs, stride);
@@ -179,9 +195,9 @@ static NS_KERNEL void q5_1_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
 
 /* Each sub-block j's d sc and -(dmin m) (kquant_sub_scales) into s[j], from the 16 bytes that
  * start each row's block. */
-NS_INLINE void kquant_heads(strip s[KQ_SUBS], const char *w, size_t stride) {
+NS_INLINE void kquant_heads(strip s[KQ_SUBS], strip_src src) {
     ivec g[4]; /* lane r: row r's d and dmin, scales 0..3, 4..7, 8..11 */
-    transpose_rows(g, w, stride);
+    src_rows(g, src, 0);
     const fvec d = half_floats(g[0], 0), dmin = half_floats(g[0], 1);
     const ivec six = iv_set32(63), four = iv_set32(15), top = iv_set32(3);
 #pragma GCC unroll 8
@@ -204,15 +220,15 @@ NS_INLINE void kquant_heads(strip s[KQ_SUBS], const char *w, size_t stride) {
 }
 
 /* Scales and the pairs (NS_BYTE_PAIRS) of each sub-block; 32 bytes of qs hold two. */
-NS_INLINE void q4_k_unpack(strip *s, const char *w, size_t stride) {
-    kquant_heads(s, w, stride);
+NS_INLINE void q4_k_unpack(strip *s, strip_src src) {
+    kquant_heads(s, src);
     const ivec nibbles = iv_set8(15);
 #pragma GCC unroll 4
     for (int c = 0; c < KQ_SUBS / 2; c++) {
-        const char *q = (const char *)((const block_q4_K *)w)->qs + 32 * c;
+        const size_t q = offsetof(block_q4_K, qs) + 32 * c;
         ivec g[4], g1[4], v[4], v1[4];
-        transpose_rows(g, q, stride);
-        transpose_rows(g1, q + 16, stride);
+        src_rows(g, src, q);
+        src_rows(g1, src, q + 16);
 #pragma GCC unroll 2
         for (int shift = 0; shift <= 4; shift += 4) {
 #pragma GCC unroll 4
@@ -229,16 +245,16 @@ NS_INLINE void q4_k_unpack(strip *s, const char *w, size_t stride) {
  * byte unpackings repeat their pair unpackings' steps rather than feed them: built from these
  * bytes (a pass through a strip8 buffer), the int16 GEMV of Q4_K, Q5_K and Q6_K measured 15-20%
  * slower on the AMD EPYC (13.7-15.5 against 16-18.5 GB/s, one thread). */
-NS_INLINE void q4_k_unpack_bytes(strip8 *s, const char *w, size_t stride) {
+NS_INLINE void q4_k_unpack_bytes(strip8 *s, strip_src src) {
     strip heads[KQ_SUBS];
-    kquant_heads(heads, w, stride);
+    kquant_heads(heads, src);
     const ivec nibbles = iv_set8(15);
 #pragma GCC unroll 4
     for (int c = 0; c < KQ_SUBS / 2; c++) {
-        const char *q = (const char *)((const block_q4_K *)w)->qs + 32 * c;
+        const size_t q = offsetof(block_q4_K, qs) + 32 * c;
         ivec g[4], g1[4];
-        transpose_rows(g, q, stride);
-        transpose_rows(g1, q + 16, stride);
+        src_rows(g, src, q);
+        src_rows(g1, src, q + 16);
 #pragma GCC unroll 2
         for (int shift = 0; shift <= 4; shift += 4) {
             strip8 *t = s + 2 * c + shift / 4;
@@ -255,19 +271,18 @@ NS_INLINE void q4_k_unpack_bytes(strip8 *s, const char *w, size_t stride) {
 }
 
 /* As q4_k_unpack, each value's bit of qh at bit 4. */
-NS_INLINE void q5_k_unpack(strip *s, const char *w, size_t stride) {
-    const block_q5_K *b = (const block_q5_K *)w;
-    kquant_heads(s, w, stride);
+NS_INLINE void q5_k_unpack(strip *s, strip_src src) {
+    kquant_heads(s, src);
     ivec h[4], h1[4];
-    transpose_rows(h, (const char *)b->qh, stride);
-    transpose_rows(h1, (const char *)b->qh + 16, stride);
+    src_rows(h, src, offsetof(block_q5_K, qh));
+    src_rows(h1, src, offsetof(block_q5_K, qh) + 16);
     const ivec nibbles = iv_set8(15), bit = iv_set8(16);
 #pragma GCC unroll 4
     for (int c = 0; c < KQ_SUBS / 2; c++) {
-        const char *q = (const char *)b->qs + 32 * c;
+        const size_t q = offsetof(block_q5_K, qs) + 32 * c;
         ivec g[4], g1[4], v[4], v1[4];
-        transpose_rows(g, q, stride);
-        transpose_rows(g1, q + 16, stride);
+        src_rows(g, src, q);
+        src_rows(g1, src, q + 16);
 #pragma GCC unroll 2
         for (int j = 2 * c; j < 2 * c + 2; j++) {
             const int shift = 4 * (j & 1);
@@ -289,20 +304,19 @@ static const strip_format Q4_K_STRIPS = {.block_bytes = sizeof(block_q4_K),
                                          .unpack_super = q4_k_unpack,
                                          .unpack_bytes = q4_k_unpack_bytes};
 /* As q5_k_unpack, into bytes (the byte GEMV). */
-NS_INLINE void q5_k_unpack_bytes(strip8 *s, const char *w, size_t stride) {
-    const block_q5_K *b = (const block_q5_K *)w;
+NS_INLINE void q5_k_unpack_bytes(strip8 *s, strip_src src) {
     strip heads[KQ_SUBS];
-    kquant_heads(heads, w, stride);
+    kquant_heads(heads, src);
     ivec h[4], h1[4];
-    transpose_rows(h, (const char *)b->qh, stride);
-    transpose_rows(h1, (const char *)b->qh + 16, stride);
+    src_rows(h, src, offsetof(block_q5_K, qh));
+    src_rows(h1, src, offsetof(block_q5_K, qh) + 16);
     const ivec nibbles = iv_set8(15), bit = iv_set8(16);
 #pragma GCC unroll 4
     for (int c = 0; c < KQ_SUBS / 2; c++) {
-        const char *q = (const char *)b->qs + 32 * c;
+        const size_t q = offsetof(block_q5_K, qs) + 32 * c;
         ivec g[4], g1[4];
-        transpose_rows(g, q, stride);
-        transpose_rows(g1, q + 16, stride);
+        src_rows(g, src, q);
+        src_rows(g1, src, q + 16);
 #pragma GCC unroll 2
         for (int j = 2 * c; j < 2 * c + 2; j++) {
             const int shift = 4 * (j & 1);
@@ -345,11 +359,10 @@ NS_INLINE ivec q6_k_scale(ivec g, int t, int which) {
 
 /* d sc of each sub-block's halves and the pairs less 32 (NS_BYTE_PAIRS), from one transpose of
  * each 16 bytes of ql, qh and the scales. */
-NS_INLINE void q6_k_unpack(strip *s, const char *w, size_t stride) {
-    const block_q6_K *b = (const block_q6_K *)w;
-    const fvec d = half_floats(row_words(w + offsetof(block_q6_K, d) - 2, stride), 1);
+NS_INLINE void q6_k_unpack(strip *s, strip_src src) {
+    const fvec d = src_last_half(src, offsetof(block_q6_K, d));
     ivec sc[4];
-    transpose_rows(sc, (const char *)b->scales, stride);
+    src_rows(sc, src, offsetof(block_q6_K, scales));
 #pragma GCC unroll 8
     for (int t = 0; t < KQ_SUBS; t++) {
         s[t].d = fv_mul(d, iv_to_fv(q6_k_scale(sc[t / 2], t, 0)));
@@ -360,13 +373,13 @@ NS_INLINE void q6_k_unpack(strip *s, const char *w, size_t stride) {
 #pragma GCC unroll 2
     for (int half = 0; half < 2; half++) {
         ivec h[4], h1[4];
-        transpose_rows(h, (const char *)b->qh + 32 * half, stride);
-        transpose_rows(h1, (const char *)b->qh + 32 * half + 16, stride);
+        src_rows(h, src, offsetof(block_q6_K, qh) + 32 * half);
+        src_rows(h1, src, offsetof(block_q6_K, qh) + 32 * half + 16);
 #pragma GCC unroll 2
         for (int k = 0; k < 2; k++) { /* ql bytes 32k .. 32k + 31: sub-blocks k, k + 2 */
             ivec g[4], g1[4];
-            transpose_rows(g, (const char *)b->ql + 64 * half + 32 * k, stride);
-            transpose_rows(g1, (const char *)b->ql + 64 * half + 32 * k + 16, stride);
+            src_rows(g, src, offsetof(block_q6_K, ql) + 64 * half + 32 * k);
+            src_rows(g1, src, offsetof(block_q6_K, ql) + 64 * half + 32 * k + 16);
 #pragma GCC unroll 2
             for (int u = k; u < 4; u += 2) {
                 const int shift = 4 * (u >> 1);
@@ -386,11 +399,10 @@ NS_INLINE void q6_k_unpack(strip *s, const char *w, size_t stride) {
 
 /* As q6_k_unpack, into bytes (the byte GEMV): the values 0..63, their zero point left to
  * byte_step. */
-NS_INLINE void q6_k_unpack_bytes(strip8 *s, const char *w, size_t stride) {
-    const block_q6_K *b = (const block_q6_K *)w;
-    const fvec d = half_floats(row_words(w + offsetof(block_q6_K, d) - 2, stride), 1);
+NS_INLINE void q6_k_unpack_bytes(strip8 *s, strip_src src) {
+    const fvec d = src_last_half(src, offsetof(block_q6_K, d));
     ivec sc[4];
-    transpose_rows(sc, (const char *)b->scales, stride);
+    src_rows(sc, src, offsetof(block_q6_K, scales));
 #pragma GCC unroll 8
     for (int t = 0; t < KQ_SUBS; t++) {
         s[t].d = fv_mul(d, iv_to_fv(q6_k_scale(sc[t / 2], t, 0)));
@@ -401,13 +413,13 @@ NS_INLINE void q6_k_unpack_bytes(strip8 *s, const char *w, size_t stride) {
 #pragma GCC unroll 2
     for (int half = 0; half < 2; half++) {
         ivec h[4], h1[4];
-        transpose_rows(h, (const char *)b->qh + 32 * half, stride);
-        transpose_rows(h1, (const char *)b->qh + 32 * half + 16, stride);
+        src_rows(h, src, offsetof(block_q6_K, qh) + 32 * half);
+        src_rows(h1, src, offsetof(block_q6_K, qh) + 32 * half + 16);
 #pragma GCC unroll 2
         for (int k = 0; k < 2; k++) {
             ivec g[4], g1[4];
-            transpose_rows(g, (const char *)b->ql + 64 * half + 32 * k, stride);
-            transpose_rows(g1, (const char *)b->ql + 64 * half + 32 * k + 16, stride);
+            src_rows(g, src, offsetof(block_q6_K, ql) + 64 * half + 32 * k);
+            src_rows(g1, src, offsetof(block_q6_K, ql) + 64 * half + 32 * k + 16);
 #pragma GCC unroll 2
             for (int u = k; u < 4; u += 2) {
                 const int shift = 4 * (u >> 1);
@@ -432,6 +444,26 @@ static const strip_format Q6_K_STRIPS = {.block_bytes = sizeof(block_q6_K),
 
 static NS_KERNEL void q6_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q6_K_STRIPS);
+}
+
+/* ---------------------------------------------------------------- the K-quants repacked (r16) */
+
+/* The strip formats above with r16 set: the same unpackings, reading W through strip_src's loads. */
+NS_INLINE strip_format repacked(strip_format f) {
+    f.r16 = 1;
+    return f;
+}
+
+static NS_KERNEL void q4_k_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, repacked(Q4_K_STRIPS));
+}
+
+static NS_KERNEL void q5_k_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, repacked(Q5_K_STRIPS));
+}
+
+static NS_KERNEL void q6_k_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, repacked(Q6_K_STRIPS));
 }
 
 /* ---------------------------------------------------------------- F16, BF16 */
@@ -494,5 +526,6 @@ static const ns_matmul_fn SIMD_KERNELS[NS_NUM_GGML_TYPES] = {
     [GGML_Q8_0] = q8_0_simd, [GGML_Q4_0] = q4_0_simd, [GGML_Q4_1] = q4_1_simd,
     [GGML_Q5_0] = q5_0_simd, [GGML_Q5_1] = q5_1_simd, [GGML_Q4_K] = q4_k_simd,
     [GGML_Q5_K] = q5_k_simd, [GGML_Q6_K] = q6_k_simd, [GGML_F16] = f16_simd,
-    [GGML_BF16] = bf16_simd, [GGML_MXFP4] = mxfp4_simd,
+    [GGML_BF16] = bf16_simd, [GGML_MXFP4] = mxfp4_simd, [NS_Q4_K_R16] = q4_k_r16_simd,
+    [NS_Q5_K_R16] = q5_k_r16_simd, [NS_Q6_K_R16] = q6_k_r16_simd,
 };

@@ -41,11 +41,40 @@ typedef struct {
     fvec d, m, d2;
 } strip8;
 
-/* What the driver needs of a format, passed as a constant so that each format's kernel is compiled
- * with its own unpacking inlined: unpack(s, w, stride) unpacks the blocks at w of STRIP_W rows of
- * W (row c's at w + c stride); has_min: Q4_1's m dx sum(q) is added. */
+/* Where an unpacking reads a strip's blocks: row c's at w + c stride, as the file lays them out;
+ * or, r16, from W repacked at load (quant_r16.c), whose groups of 16 rows interleave their blocks
+ * 4 bytes at a time: the group's block holds row c's bytes 4u .. 4u + 3 at w + 64 u + 4 c, the
+ * rows' remaining 2 bytes (Q6_K's d) after them at w + 64 words + 2 c, and half says which 8 of
+ * the 16 rows an 8-lane strip (AVX2) is. Then the transposes of the file's layout are plain
+ * loads. */
 typedef struct {
-    void (*unpack)(strip *s, const char *w, size_t stride);
+    const char *w;
+    size_t stride;
+    int r16, half, words; /* words: the block's bytes / 4 */
+} strip_src;
+
+/* Bytes off .. off + 15 (off a multiple of 4) of the strip's rows' blocks as transpose_rows gives
+ * them: g[i] lane c holds row c's bytes off + 4i .. off + 4i + 3. */
+NS_INLINE void src_rows(ivec g[4], strip_src src, size_t off) {
+    if (!src.r16) {
+        transpose_rows(g, src.w + off, src.stride);
+        return;
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) g[i] = iv_loadu(src.w + 64 * (off / 4 + (size_t)i) + 32 * src.half);
+}
+
+/* Each row's fp16 at off, the last 2 bytes of its block (Q6_K's d), as floats. */
+NS_INLINE fvec src_last_half(strip_src src, size_t off) {
+    if (!src.r16) return half_floats(row_words(src.w + off - 2, src.stride), 1);
+    return half_floats(row_words(src.w + 64 * (size_t)src.words + 16 * src.half - 2, 2), 1);
+}
+
+/* What the driver needs of a format, passed as a constant so that each format's kernel is compiled
+ * with its own unpacking inlined: unpack(s, src) unpacks the blocks of STRIP_W rows of W at src;
+ * has_min: Q4_1's m dx sum(q) is added. */
+typedef struct {
+    void (*unpack)(strip *s, strip_src src);
     size_t block_bytes;
     int has_min;
     /* K-quants: blocks of subs > 1 sub-blocks of 32 values (at most QK_K / QK), unpacked
@@ -53,13 +82,14 @@ typedef struct {
      * once); halves (Q6_K): values 0..15 and 16..31 of a sub-block have their own scales, d and
      * d2, each half's dot scaled on its own. */
     int subs;
-    void (*unpack_super)(strip *s, const char *w, size_t stride);
+    void (*unpack_super)(strip *s, strip_src src);
     int halves;
     /* Where the format has a byte GEMV (ns_block_format's byte_gemv): as unpack_super (or
      * unpack), into bytes (strip8) */
-    void (*unpack_bytes)(strip8 *s, const char *w, size_t stride);
+    void (*unpack_bytes)(strip8 *s, strip_src src);
     /* Q8_0's signed bytes, unpacked offset by 128 (unsigned); byte_dot takes the offset off */
     int byte_signed;
+    int r16; /* W repacked in groups of 16 rows (strip_src), a K-quant's */
 } strip_format;
 
 /* v shifted left by s bits (right by -s), s a constant after unrolling. */
@@ -101,21 +131,32 @@ NS_INLINE void byte_pairs(ivec p[16], const ivec v[4], const ivec v1[4], const i
     }
 }
 
-/* The unpacking of block b (32 values) of the STRIP_W rows of W from row w (the last strip's first
- * n of them) into s; of a K-quant, where b starts a super-block, its sub-blocks into
+/* Where the strip of columns from c0 reads the block that holds block b (a K-quant's super-block
+ * b / subs). r16: c0 is a multiple of 8 (of 16 on AVX-512), as the threads' shares are. */
+NS_INLINE strip_src src_of(const ns_qmm *a, Py_ssize_t c0, Py_ssize_t b, const strip_format f) {
+    const size_t kb = (size_t)(f.subs <= 1 ? b : b / f.subs);
+    if (!f.r16) return (strip_src){a->w + (size_t)c0 * a->row_bytes + kb * f.block_bytes,
+                                   a->row_bytes, 0, 0, 0};
+    const Py_ssize_t g0 = c0 - c0 % NS_R16; /* the group's first row */
+    return (strip_src){a->w + (size_t)g0 * a->row_bytes + kb * NS_R16 * f.block_bytes, 0, 1,
+                       (int)(c0 % NS_R16) / 8, (int)(f.block_bytes / 4)};
+}
+
+/* The unpacking of block b (32 values) of the STRIP_W rows of W from column c0 (the last strip's
+ * first n of them) into s; of a K-quant, where b starts a super-block, its sub-blocks into
  * s[0 .. subs - 1] (the callers skip the others). Past n rows, zeros (copied, so nothing past W
- * is read). */
-NS_INLINE void unpack_block(strip *s, const char *w, size_t stride, Py_ssize_t b, int n,
+ * is read); r16's groups have all their 16 rows, whose extra columns no one stores. */
+NS_INLINE void unpack_block(strip *s, const ns_qmm *a, Py_ssize_t c0, Py_ssize_t b, int n,
                             const strip_format f) {
-    void (*const unpack)(strip *, const char *, size_t) = f.subs <= 1 ? f.unpack : f.unpack_super;
-    w += (size_t)(f.subs <= 1 ? b : b / f.subs) * f.block_bytes;
-    if (n == STRIP_W) {
-        unpack(s, w, stride);
+    void (*const unpack)(strip *, strip_src) = f.subs <= 1 ? f.unpack : f.unpack_super;
+    const strip_src src = src_of(a, c0, b, f);
+    if (n == STRIP_W || f.r16) {
+        unpack(s, src);
         return;
     }
     _Alignas(64) char rows[STRIP_W][NS_MAX_BLOCK_BYTES] = {{0}};
-    for (int c = 0; c < n; c++) memcpy(rows[c], w + (size_t)c * stride, f.block_bytes);
-    unpack(s, rows[0], sizeof rows[0]);
+    for (int c = 0; c < n; c++) memcpy(rows[c], src.w + (size_t)c * src.stride, f.block_bytes);
+    unpack(s, (strip_src){rows[0], sizeof rows[0], 0, 0, 0});
 }
 
 /* Streaming W (no panel): the rows of the next strips, a share of their lines a block, on their
@@ -238,13 +279,13 @@ NS_INLINE void strip_tile(const ns_qmm *a, const strip *panel, Py_ssize_t r0, co
                 s[c] = panel + c * nb + b;
                 continue;
             }
-            const char *w = a->w + (size_t)(c0 + STRIP_W * c) * a->row_bytes;
+            const Py_ssize_t at = c0 + STRIP_W * c;
             const int n = c == nr - 1 ? last : STRIP_W;
             if (f.subs <= 1) {
-                unpack_block(own + c, w, a->row_bytes, b, n, f);
+                unpack_block(own + c, a, at, b, n, f);
                 continue;
             }
-            if (b % f.subs == 0) unpack_block(super[c], w, a->row_bytes, b, n, f);
+            if (b % f.subs == 0) unpack_block(super[c], a, at, b, n, f);
             s[c] = &super[c][b % f.subs];
         }
         block_step(acc, s, a->x, r0, mr, nr, b, f);
@@ -309,9 +350,23 @@ NS_INLINE void unpack_panel(strip *panel, const ns_qmm *a, Py_ssize_t n0, Py_ssi
         const Py_ssize_t c0 = n0 + STRIP_W * s;
         const int n = n1 - c0 < STRIP_W ? (int)(n1 - c0) : STRIP_W;
         for (Py_ssize_t b = 0; b < nb; b++) {
-            const char *w = a->w + (size_t)c0 * a->row_bytes;
             if (f.subs <= 1 || b % f.subs == 0) /* a super-block fills subs blocks */
-                unpack_block(panel + (s - p) * nb + b, w, a->row_bytes, b, n, f);
+                unpack_block(panel + (s - p) * nb + b, a, c0, b, n, f);
+        }
+    }
+}
+
+/* Every tile of TILE_MR rows by TILE_NR strips over the panel of strips p .. pe, unpacked. */
+NS_INLINE void panel_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
+                           Py_ssize_t p, Py_ssize_t pe, const strip_format f) {
+    const Py_ssize_t nb = a->K / QK;
+    for (Py_ssize_t r0 = 0; r0 < a->M; r0 += TILE_MR) {
+        const int mr = a->M - r0 < TILE_MR ? (int)(a->M - r0) : TILE_MR;
+        for (Py_ssize_t s = p; s < pe; s += TILE_NR) {
+            const int nr = pe - s < TILE_NR ? (int)(pe - s) : TILE_NR;
+            const Py_ssize_t c0 = n0 + STRIP_W * s, end = c0 + STRIP_W * nr;
+            const int last = (int)(STRIP_W - ((end > n1 ? end : n1) - n1));
+            strip_tile_any(a, panel + (s - p) * nb, r0, mr, c0, nr, last, f);
         }
     }
 }
@@ -331,15 +386,7 @@ NS_INLINE void strip_gemm(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const s
     for (Py_ssize_t p = 0; panel && p < strips; p += width) {
         const Py_ssize_t pe = p + width < strips ? p + width : strips;
         unpack_panel(panel, a, n0, n1, p, pe, f);
-        for (Py_ssize_t r0 = 0; r0 < a->M; r0 += TILE_MR) {
-            const int mr = a->M - r0 < TILE_MR ? (int)(a->M - r0) : TILE_MR;
-            for (Py_ssize_t s = p; s < pe; s += TILE_NR) {
-                const int nr = pe - s < TILE_NR ? (int)(pe - s) : TILE_NR;
-                const Py_ssize_t c0 = n0 + STRIP_W * s, end = c0 + STRIP_W * nr;
-                const int last = (int)(STRIP_W - ((end > n1 ? end : n1) - n1));
-                strip_tile_any(a, panel + (s - p) * nb, r0, mr, c0, nr, last, f);
-            }
-        }
+        panel_tiles(a, panel, n0, n1, p, pe, f);
     }
     free(panel);
 }

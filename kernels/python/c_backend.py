@@ -45,7 +45,10 @@ GEMV_ROWS: int = _C.GEMV_ROWS if _C is not None else 4
 # The GGUF block formats the C kernels take, {name: (GGML type id, bytes of a block, values of a
 # block along K: 32, or 256 for a K-quant's super-block)}, from their one table
 # (kernels/csrc/quant.c, a row in each format's file); empty in a source tree that was never built.
-BLOCK_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.BLOCK_FORMATS) if _C is not None else {}
+# name: (GGML type id, block bytes, block values, the file's format of an r16 one or None)
+BLOCK_FORMATS: dict[str, tuple[int, int, int, str | None]] = (
+    dict(_C.BLOCK_FORMATS) if _C is not None else {}
+)
 
 
 def paged_attention_decode(
@@ -291,10 +294,11 @@ def quant_experts(
     )
 
 
-def copy_rows(jobs: list[tuple[int, int, int, int, int]]) -> None:
-    """Each (dst, src, rows, row_bytes, heads): rows of row_bytes bytes from address src to dst,
-    each head's two rotary halves put back (llama.cpp's interleaved Q and K rows) where heads > 0;
-    all in one call that releases the GIL."""
+def copy_rows(jobs: list[tuple[int, ...]]) -> None:
+    """Each (dst, src, rows, row_bytes, heads, repack): rows of row_bytes bytes from address src
+    to dst, each head's two rotary halves put back (llama.cpp's interleaved Q and K rows) where
+    heads > 0, in the r16 layout of a K-quant whose blocks are `repack` bytes where repack > 0
+    (kernels/csrc/quant_r16.c); all in one call that releases the GIL."""
     _C.copy_rows(jobs=jobs)
 
 

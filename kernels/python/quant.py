@@ -20,6 +20,7 @@ rows, M or the thread count; the instruction-set paths (cpu_isa()) differ by rou
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,9 +31,14 @@ from . import c_backend
 from .api import _check_tensor
 from .errors import BackendUnavailableError
 
-QUANT_TYPES = tuple(c_backend.BLOCK_FORMATS)  # the formats' names; () if never built
+# the formats' names; () if never built
+QUANT_TYPES = tuple(name for name, row in c_backend.BLOCK_FORMATS.items() if row[3] is None)
 BLOCK_BYTES = {name: row[1] for name, row in c_backend.BLOCK_FORMATS.items()}
 BLOCK_VALUES = {name: row[2] for name, row in c_backend.BLOCK_FORMATS.items()}  # along K
+# The formats whose matrices are repacked at load (QuantizedWeight's repacked), by the C name of
+# their repacked layout; a repacked matrix's rows are a multiple of REPACK_ROWS.
+REPACKED = {row[3]: name for name, row in c_backend.BLOCK_FORMATS.items() if row[3] is not None}
+REPACK_ROWS = 16
 # The K-quants, kept and multiplied but not quantized to: llama.cpp's quantizer searches their
 # scales (a plain rounding would be a worse file under the same name).
 NOT_QUANTIZED = ("q4_k", "q5_k", "q6_k")
@@ -55,6 +61,9 @@ class QuantizedWeight:
     data: torch.Tensor
     qtype: str
     shape: tuple[int, int]
+    # The rows interleaved in groups of REPACK_ROWS (kernels/csrc/quant_r16.c), as repack() and
+    # the GGUF loader lay out a K-quant for the SIMD kernels: the same bytes, moved.
+    repacked: bool = False
 
     def __post_init__(self) -> None:
         _require_c()  # the formats come from the C module's table
@@ -79,11 +88,45 @@ class QuantizedWeight:
                 f"data must start on a {ALIGNMENT}-byte boundary; aligned_bytes(data) makes an "
                 "aligned copy"
             )
+        if self.repacked and (self.qtype not in REPACKED or shape[0] % REPACK_ROWS):
+            raise ValueError(
+                f"repacked must be False for {self.qtype} of {shape[0]} rows: only "
+                f"{', '.join(REPACKED)} matrices of a multiple of {REPACK_ROWS} rows are"
+            )
 
     @property
     def row_bytes(self) -> int:
         """Bytes of one row of blocks."""
         return self.shape[1] // BLOCK_VALUES[self.qtype] * BLOCK_BYTES[self.qtype]
+
+    @property
+    def kernel_qtype(self) -> str:
+        """The C module's name of the layout: qtype, or its repacked layout's."""
+        return REPACKED[self.qtype] if self.repacked else self.qtype
+
+
+def repackable(qtype: str, rows: int) -> bool:
+    """Whether a matrix of `rows` rows in qtype can be repacked (REPACKED)."""
+    return qtype in REPACKED and rows % REPACK_ROWS == 0
+
+
+def repack_at_load(qtype: str, rows: int) -> bool:
+    """Whether a loader repacks such a matrix: where repackable, unless the environment variable
+    NANOSERVE_REPACK is 0 (read at each call: a benchmark's comparison of the layouts)."""
+    return os.environ.get("NANOSERVE_REPACK", "1") != "0" and repackable(qtype, rows)
+
+
+def repack(w: QuantizedWeight) -> QuantizedWeight:
+    """w in the repacked layout (a copy; w itself where it already is), where repackable."""
+    if w.repacked:
+        return w
+    if not repackable(w.qtype, w.shape[0]):
+        raise ValueError(f"{w.qtype} of {w.shape[0]} rows cannot be repacked")
+    out = _aligned_empty(tuple(w.data.shape))
+    block = BLOCK_BYTES[w.qtype]
+    if out.numel():
+        c_backend.copy_rows([(out.data_ptr(), w.data.data_ptr(), *w.data.shape, 0, block)])
+    return QuantizedWeight(out, w.qtype, w.shape, repacked=True)
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,7 +229,7 @@ def dequantize(w: QuantizedWeight, rows: torch.Tensor | None = None) -> torch.Te
     n, k = w.shape
     out = torch.empty((n if rows is None else rows.shape[0], k), dtype=torch.float32)
     if out.numel():
-        c_backend.dequantize(w.data, w.qtype, k, rows, out)
+        c_backend.dequantize(w.data, w.kernel_qtype, k, rows, out)
     return out
 
 
@@ -210,7 +253,7 @@ def quantized_linear(
     if out.numel():
         col = 0
         for part in w.parts if isinstance(w, QuantizedParts) else (w,):
-            c_backend.quant_linear(x, part.data, part.qtype, out, col, part.shape[0])
+            c_backend.quant_linear(x, part.data, part.kernel_qtype, out, col, part.shape[0])
             col += part.shape[0]
     return out
 
@@ -238,9 +281,14 @@ def expert_linear(
     if not weights or len(weights) > 2 or not all(isinstance(w, QuantizedWeight) for w in weights):
         raise TypeError("weights must be one or two QuantizedWeights")
     first = weights[0]
-    if any(w.qtype != first.qtype or w.shape != first.shape for w in weights):
+    if any(w.kernel_qtype != first.kernel_qtype or w.shape != first.shape for w in weights):
         raise ValueError("weights must share one format and shape")
-    if num_experts < 1 or first.shape[0] % num_experts or first.shape[1] != x.shape[1]:
+    if (
+        num_experts < 1
+        or first.shape[0] % num_experts
+        or first.shape[1] != x.shape[1]
+        or (first.repacked and first.shape[0] // num_experts % REPACK_ROWS)
+    ):
         raise ValueError(
             f"weights of shape {list(first.shape)} are not {num_experts} experts' matrices of "
             f"K = {x.shape[1]} (x's columns)"
@@ -271,7 +319,7 @@ def expert_linear(
         outs = list(out.split(n, dim=1))
     if pairs and groups.shape[0]:
         c_backend.quant_experts(
-            outs, [w.data for w in weights], first.qtype, num_experts, x, rows, groups
+            outs, [w.data for w in weights], first.kernel_qtype, num_experts, x, rows, groups
         )
     return outs
 

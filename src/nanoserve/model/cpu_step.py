@@ -190,7 +190,7 @@ def _stored(w: torch.Tensor | Matrix | Experts | None) -> object:
 
 
 def _in_blocks(w: QuantizedWeight) -> tuple[int, int]:
-    return w.data.data_ptr(), c_backend.QTYPE_CODES[w.qtype]
+    return w.data.data_ptr(), c_backend.QTYPE_CODES[w.kernel_qtype]
 
 
 def not_in_c(layers: list[LayerWeights]) -> str | None:

@@ -10,7 +10,7 @@ run of rows, expert after expert; any other architecture, tensor type or tokeniz
 The header is read by model/gguf_header.py. The scalar metadata, the tensor table and the built
 tokenizer are cached (model/gguf_cache.py): only a file's first load parses its vocabulary; the
 tokenizer is built when asked for (while the KV cache is written). Matrices in a format the CPU
-kernels take are copied once from a memory map of the file into huge pages; the rest are
+kernels take are copied once from a memory map into huge pages (K-quants repacked); the rest are
 de-quantized by the `gguf` package (llama.cpp's own de-quantizers) into the engine's dtype.
 """
 
@@ -32,8 +32,8 @@ from nanoserve.gguf_tokenizer import (
     tokenizer_config,
     tokenizer_from_gguf,
 )
-from nanoserve.kernels import QuantizedWeight, c_backend
-from nanoserve.kernels.quant import BLOCK_VALUES
+from nanoserve.kernels import QUANT_TYPES, QuantizedWeight, c_backend
+from nanoserve.kernels.quant import BLOCK_BYTES, BLOCK_VALUES, repack_at_load
 from nanoserve.model import gguf_cache, hugepages
 from nanoserve.model.config import ModelConfig, RopeConfig
 from nanoserve.model.ggml_types import GGMLType
@@ -50,9 +50,6 @@ DEQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
 MOE_ARCHITECTURES = ("llama", "qwen3moe", "gpt-oss")  # those that may have expert_count
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves these architectures' Q and K rows
-# Kept as they are by the CPU kernels: their table of formats (kernels.QUANT_TYPES), the 16-bit
-# floats (F16, BF16) included.
-KEPT = tuple(Q(code) for code in c_backend.QTYPE_CODES.values())
 
 # GGUF tensor name -> Hugging Face name, from model/weights.py: a layer's after "blk.N." and
 # "model.layers.N.", the model's own whole; an experts tensor's, the stacked name (without the
@@ -111,22 +108,23 @@ class GGUFCheckpoint:
         self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
     ) -> dict[str, Weight]:
         """Every weight under its Hugging Face name, de-quantized to `dtype` on `device`; with
-        keep_blocks, every matrix in a format the CPU kernels take (KEPT) stays in it, each in its
-        own (a file of mixed formats, llama.cpp's Q4_K_M say, stays mixed). Logs how many matrices
-        of each format were kept and how many de-quantized."""
+        keep_blocks, every matrix in a format the CPU kernels take (QUANT_TYPES, F16 and BF16
+        too) stays in it, each in its own (a file of mixed formats, llama.cpp's Q4_K_M say, stays
+        mixed), K-quants repacked (kernels.quant.repack_at_load). Logs how many matrices of each
+        format were kept and how many de-quantized."""
         c, weights = self.config, {}
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         permuted = self.meta["general.architecture"] in PERMUTED
         gemma = self.meta["general.architecture"] == "gemma3"
         kept: dict[str, int] = {}
+        repacked = 0
         dequantized: dict[str, int] = {}
-        # The blocks go straight from the file into huge pages, a fused matrix's parts one after
-        # the other (model/quantized.py's cat_rows then takes them as they lie): each byte is
-        # copied once, by one call for them all.
+        # The blocks go from the file into huge pages, a fused matrix's parts one after the other
+        # (as model/quantized.py's cat_rows takes them), each byte copied once by one C call.
         keeps = [i["bytes"] for i in self.tensors.values() if keep_blocks and _keeps(i)]
         size = sum(-(-n // hugepages.ALIGN) * hugepages.ALIGN for n in keeps)
         arena = hugepages.Arena(size) if keeps else None
-        copies: list[tuple[int, int, int, int, int]] = []  # c_backend.copy_rows' jobs
+        copies: list[tuple[int, ...]] = []  # c_backend.copy_rows' jobs
         for name, info in sorted(self.tensors.items(), key=lambda item: _fused_order(item[0])):
             if name in NOT_LAYERS:
                 continue  # in the config's rope factors, or the classifier's head
@@ -137,10 +135,12 @@ class GGUFCheckpoint:
                 rows = int(np.prod(info["shape"][:-1]))  # an experts tensor's: every expert's
                 blocks = arena.empty((rows, info["bytes"] // rows))
                 at = data.ctypes.data + info["offset"]
-                copies.append((blocks.data_ptr(), at, *blocks.shape, heads or 0))
-                weight = QuantizedWeight(blocks, qtype, (rows, info["shape"][-1]))
+                repack = repack_at_load(qtype, info["shape"][-2])  # an expert's rows too
+                job = (*blocks.shape, heads or 0, BLOCK_BYTES[qtype] if repack else 0)
+                copies.append((blocks.data_ptr(), at, *job))
+                weight = QuantizedWeight(blocks, qtype, (rows, info["shape"][-1]), repack)
                 weights[_hf_name(name, gemma)] = weight
-                kept[qtype] = kept.get(qtype, 0) + 1
+                kept[qtype], repacked = kept.get(qtype, 0) + 1, repacked + repack
                 continue
             values = dequantize(data, info)
             values = _unpermute(values, heads) if heads else values
@@ -152,8 +152,8 @@ class GGUFCheckpoint:
         if copies:
             c_backend.copy_rows(copies)
         log.info(
-            "%s: matrices kept in their formats: %s; de-quantized to %s: %s",
-            self.path.name, _counts(kept), dtype, _counts(dequantized),
+            "%s: matrices kept in their formats: %s; de-quantized to %s: %s; repacked: %d",
+            self.path.name, _counts(kept), dtype, _counts(dequantized), repacked,
         )  # fmt: skip
         return weights
 
@@ -415,12 +415,10 @@ def _fused_order(name: str) -> tuple[int, int]:
 
 
 def _keeps(info: dict[str, Any]) -> bool:
-    """Whether a tensor stays in its format: a matrix in one of the kernels' formats whose rows
-    are whole blocks."""
-    shape, qtype = info["shape"], Q(info["type"])
-    if qtype not in KEPT or len(shape) not in (2, 3):  # 3: an experts tensor
-        return False
-    return shape[1] % BLOCK_VALUES[qtype.name.lower()] == 0
+    """Whether a tensor stays in its format: a matrix (or experts tensor) in one of the kernels'
+    formats whose rows are whole blocks."""
+    shape, qtype = info["shape"], Q(info["type"]).name.lower()
+    return qtype in QUANT_TYPES and len(shape) in (2, 3) and shape[-1] % BLOCK_VALUES[qtype] == 0
 
 
 def _counts(counts: dict[str, int]) -> str:

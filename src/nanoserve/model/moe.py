@@ -69,7 +69,7 @@ def _slice(w: QuantizedWeight, start: int, rows: int) -> QuantizedWeight:
     data = w.data[start : start + rows]
     if data.data_ptr() % 64:
         data = aligned_bytes(data)
-    return QuantizedWeight(data, w.qtype, (rows, w.shape[1]))
+    return QuantizedWeight(data, w.qtype, (rows, w.shape[1]), w.repacked)
 
 
 def sparse_moe(
@@ -169,7 +169,7 @@ def gate_up(
     assert isinstance(g, QuantizedWeight) and isinstance(u, QuantizedWeight)
     rows = g.shape[0] // gate.num_experts
     out = torch.empty((tokens.shape[0], 2 * rows), dtype=torch.float32)
-    if g.qtype == u.qtype and g.shape == u.shape:
+    if g.kernel_qtype == u.kernel_qtype and g.shape == u.shape:
         expert_linear(x, [g, u], gate.num_experts, groups, tokens, out)
         return out
     expert_linear(x, [g], gate.num_experts, groups, tokens, out[:, :rows])

@@ -51,7 +51,7 @@ def cat_rows(parts: Sequence[Weight]) -> Weight:
     mixes floats and blocks in one fused matrix, which llama.cpp's quantizer does not write)."""
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(blocks) == len(parts):
-        runs = [list(run) for _, run in groupby(blocks, key=lambda p: p.qtype)]
+        runs = [list(run) for _, run in groupby(blocks, key=lambda p: p.kernel_qtype)]
         joined = tuple(_joined(run) for run in runs)  # neighbours of one format share a part
         return joined[0] if len(joined) == 1 else QuantizedParts(joined)
     floats = [p for p in parts if isinstance(p, torch.Tensor)]
@@ -74,7 +74,7 @@ def _joined(parts: list[QuantizedWeight]) -> QuantizedWeight:
         data = first.as_strided((rows, first.shape[1]), first.stride())
     else:
         data = torch.cat([p.data for p in parts])
-    return QuantizedWeight(data, parts[0].qtype, (rows, parts[0].shape[1]))
+    return QuantizedWeight(data, parts[0].qtype, (rows, parts[0].shape[1]), parts[0].repacked)
 
 
 def as_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -105,7 +105,7 @@ def _tensors(w: Weight) -> list[torch.Tensor]:
 
 
 def _moved(w: QuantizedWeight, data: torch.Tensor) -> QuantizedWeight:
-    return QuantizedWeight(data, w.qtype, w.shape)
+    return QuantizedWeight(data, w.qtype, w.shape, w.repacked)
 
 
 def quantize_matrices(raw: dict[str, torch.Tensor], qtype: str) -> dict[str, Weight]:
