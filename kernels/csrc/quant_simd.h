@@ -298,11 +298,15 @@ NS_INLINE void q5_k_unpack(strip *s, strip_src src) {
     }
 }
 
+static void q4_k_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
+                       Py_ssize_t p, Py_ssize_t pe);
 static const strip_format Q4_K_STRIPS = {.block_bytes = sizeof(block_q4_K),
                                          .has_min = 1,
                                          .subs = KQ_SUBS,
                                          .unpack_super = q4_k_unpack,
-                                         .unpack_bytes = q4_k_unpack_bytes};
+                                         .unpack_bytes = q4_k_unpack_bytes,
+                                         .tiles = q4_k_tiles};
+OUT_OF_LINE_TILES(q4_k_tiles, Q4_K_STRIPS)
 /* As q5_k_unpack, into bytes (the byte GEMV). */
 NS_INLINE void q5_k_unpack_bytes(strip8 *s, strip_src src) {
     strip heads[KQ_SUBS];
@@ -334,11 +338,15 @@ NS_INLINE void q5_k_unpack_bytes(strip8 *s, strip_src src) {
     }
 }
 
+static void q5_k_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
+                       Py_ssize_t p, Py_ssize_t pe);
 static const strip_format Q5_K_STRIPS = {.block_bytes = sizeof(block_q5_K),
                                          .has_min = 1,
                                          .subs = KQ_SUBS,
                                          .unpack_super = q5_k_unpack,
-                                         .unpack_bytes = q5_k_unpack_bytes};
+                                         .unpack_bytes = q5_k_unpack_bytes,
+                                         .tiles = q5_k_tiles};
+OUT_OF_LINE_TILES(q5_k_tiles, Q5_K_STRIPS)
 
 static NS_KERNEL void q4_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q4_K_STRIPS);
@@ -436,11 +444,15 @@ NS_INLINE void q6_k_unpack_bytes(strip8 *s, strip_src src) {
     }
 }
 
+static void q6_k_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
+                       Py_ssize_t p, Py_ssize_t pe);
 static const strip_format Q6_K_STRIPS = {.block_bytes = sizeof(block_q6_K),
                                          .subs = KQ_SUBS,
                                          .unpack_super = q6_k_unpack,
                                          .halves = 1,
-                                         .unpack_bytes = q6_k_unpack_bytes};
+                                         .unpack_bytes = q6_k_unpack_bytes,
+                                         .tiles = q6_k_tiles};
+OUT_OF_LINE_TILES(q6_k_tiles, Q6_K_STRIPS)
 
 static NS_KERNEL void q6_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q6_K_STRIPS);
