@@ -6,7 +6,7 @@
  * An unpack reads the blocks at w of STRIP_W rows of W (row c's at w + c stride) into a strip
  * (quant_strips.h): each column's scales and its values as the pairs of the format's `pairs`
  * (quant.h). A K-quant's unpacks a whole super-block, each sub-block j into s[j], from one
- * transpose of each 16 bytes of W.
+ * transpose of each 16 bytes of W (src_rows: a load where W is repacked, quant_r16.c).
  */
 #include "quant_blocks.h"
 #include "quant_f16.h"

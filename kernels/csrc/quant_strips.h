@@ -18,7 +18,8 @@
  * in, so the GEMV (M <= GEMV_ROWS, unpacking blocks as it streams W) and the GEMM (panels unpacked
  * once and kept in L2 under every tile of rows) agree bitwise. Against lanes along K this does one
  * convert, multiply and FMA per 16 dot steps instead of per 2-4, and no horizontal sums;
- * unpacking costs a transpose of a strip's bytes per block.
+ * unpacking costs a transpose of a strip's bytes per block, or, for the K-quants repacked at load
+ * (quant_r16.c, strip_src below), plain loads of bytes laid out transposed.
  */
 #ifndef NANOSERVE_QUANT_STRIPS_H
 #define NANOSERVE_QUANT_STRIPS_H

@@ -1,7 +1,8 @@
 """Matmuls on weights kept in llama.cpp's GGUF block formats, on the CPU.
 
 A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of BLOCK_VALUES[qtype]
-values along K (32, or a K-quant's super-block of 256), never de-quantized to a float matrix. The
+values along K (32, or a K-quant's super-block of 256), never de-quantized to a float matrix (a
+K-quant's rows repacked in groups of 16 for the SIMD kernels where `repacked`: repack()). The
 formats (QUANT_TYPES, BLOCK_BYTES, BLOCK_VALUES) come from the C module's one table of formats
 (kernels/csrc/quant.c); each format's block layout and arithmetic are in its file,
 kernels/csrc/quant_<name>.c. quantize() makes one from float weights (the bytes
