@@ -141,13 +141,28 @@ def test_the_plan_stops_at_return_and_call_and_keeps_the_control_tokens(tokenize
     assert plan.tools is not None and plan.tools.syntax is HARMONY_TOOLS
 
 
-def test_a_required_call_is_refused_by_name(tokenizer):
-    req = _request(tools=[WEATHER_TOOL], tool_choice="required")
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_required_call_is_a_grammar_the_engine_starts_after_the_analysis(tokenizer, choice):
+    """One call on the commentary channel, its control tokens named by id, deferred to where the
+    analysis message has ended and the next begun (not to the final channel's header)."""
+    req = _request(tools=[WEATHER_TOOL], tool_choice=choice)
     inputs = chat_inputs(req, TEMPLATE)
     prompt, _ = tokenizer.render_chat(inputs.messages, **inputs.kwargs)
-    with pytest.raises(InvalidRequest, match="harmony") as e:
-        chat_plan(req, tokenizer, HARMONY, inputs, prompt)
-    assert e.value.param == "tool_choice"
+    plan = chat_plan(req, tokenizer, HARMONY, inputs, prompt)
+    assert plan.params.structured_outputs is not None and plan.params.thinking is not None
+    grammar = plan.params.structured_outputs.grammar or ""
+    channel, message, call = (
+        tokenizer.token_id(t) for t in ("<|channel|>", "<|message|>", "<|call|>")
+    )
+    assert grammar.startswith(f'start: (<[{channel}]> "commentary to=functions.get_weather" (')
+    assert f"<[{message}]> body0 <[{call}]>)\nbody0: %json " in grammar
+    end = tokenizer.encode("<|end|><|start|>assistant", add_special_tokens=False)
+    assert plan.params.thinking.end_ids == tuple(end)
+    auto = _request(tools=[WEATHER_TOOL])
+    plan = chat_plan(auto, tokenizer, HARMONY, chat_inputs(auto, TEMPLATE), prompt)
+    assert plan.params.structured_outputs is None
 
 
 @pytest.mark.parametrize("parser", [None, PARSERS["think"]])

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from test_reasoning_http import _streamed, _unary
 
-from nanoserve.server.chat_plan import chat_inputs
+from nanoserve.llm import LLM
+from nanoserve.server.chat_plan import chat_inputs, chat_plan
 from nanoserve.server.protocol import ChatCompletionRequest, parse
+from nanoserve.server.reasoning import HARMONY
 from nanoserve.testing.harness import MODEL_NAME, live_server
 from nanoserve.testing.hf_families import memorize, write_gpt_oss_chat_checkpoint
 from nanoserve.tokenizer import Tokenizer
@@ -71,6 +73,38 @@ async def test_the_analysis_is_reasoning_and_the_commentary_a_call(server):
     assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     assert message["content"] is None and choice["finish_reason"] == "tool_calls"
     assert await _streamed(server, WEATHER) == (THOUGHT, "", calls, ["tool_calls"])
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+async def test_a_required_call_comes_after_the_analysis(server, choice):
+    """The grammar of the call starts where the analysis ended: the model thinks, then calls."""
+    answer = await _unary(server, {**WEATHER, "tool_choice": choice})
+    message = answer["message"]
+    assert message["reasoning_content"] == THOUGHT
+    calls = [c["function"] for c in message["tool_calls"]]
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert answer["finish_reason"] == "tool_calls"
+
+
+def test_a_required_call_is_forced_where_the_model_would_answer(gpt_oss_dir):
+    """Taught to answer the capital's question on the final channel, the model is made to call:
+    once the analysis has taken its budget, its end and the call's header are forced (the
+    arguments are then the random model's, cut short by max_tokens)."""
+    llm = LLM(str(gpt_oss_dir), num_kv_blocks=32)
+    tok = llm.engine.tokenizer
+    body = {**CAPITAL, "tools": [WEATHER_TOOL], "tool_choice": "required",
+            "thinking_token_budget": 2, "max_tokens": 40}  # fmt: skip
+    req = parse(ChatCompletionRequest, json.dumps(body))
+    inputs = chat_inputs(req, tok.chat_template)
+    prompt, ids = tok.render_chat(inputs.messages, **inputs.kwargs)
+    plan = chat_plan(req, tok, HARMONY, inputs, prompt)
+    out = llm.generate([{"prompt_token_ids": ids}], plan.params, use_tqdm=False)[0].outputs[0]
+    text = tok.decode(list(out.token_ids), skip_special_tokens=False)
+    assert text.startswith("<|channel|>analysis<|message|>")
+    assert "<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather" in text
+    assert "final" not in text and ANSWER not in text
 
 
 async def test_the_final_channel_is_the_answer(server):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.engine import SamplingParams, ThinkingParams
+from nanoserve.server import harmony
 from nanoserve.server.harmony import is_harmony
 from nanoserve.server.protocol import ChatCompletionRequest, InvalidRequest, message_dicts
 from nanoserve.server.reasoning import HARMONY, Reasoning, ReasoningSyntax, thinking_switch
@@ -98,7 +99,9 @@ def chat_plan(
     tools = None
     if offered:
         tools = ToolPlan(syntax, frozenset(t["name"] for t in offered), bool(required))
-    reasoning = _reasoning(req, tokenizer, parser, inputs, prompt, params, default_budget)
+    # A required harmony call follows the analysis message, not the final channel's header.
+    answer = harmony.NEXT_MESSAGE if required and syntax is HARMONY_TOOLS else None
+    reasoning = _reasoning(req, tokenizer, parser, inputs, prompt, params, default_budget, answer)
     return ChatPlan(params, tools, reasoning)
 
 
@@ -110,10 +113,12 @@ def _reasoning(
     prompt: str,
     params: SamplingParams,
     default_budget: int | None,
+    answer: str | None = None,
 ) -> Reasoning | None:
     """How the output's thinking is read: where it starts (in the prompt, or in the output),
     and what the engine follows of it (a budget; a constraint deferred to the answer, so that the
-    model thinks first). Sets `params` to match."""
+    model thinks first; `answer`: where the engine takes that answer to start, if not at the
+    parser's end tag). Sets `params` to match."""
     budget = req.thinking_token_budget
     if parser is None:
         if budget is not None:
@@ -128,7 +133,7 @@ def _reasoning(
     last = messages[-1]["content"] if messages else ""
     started = parser.left_open(prompt, last)
     start = tokenizer.encode(parser.start, add_special_tokens=False)
-    end = tokenizer.encode(parser.end, add_special_tokens=False)
+    end = tokenizer.encode(answer or parser.end, add_special_tokens=False)
     if set(start + end) & tokenizer.all_special_ids:  # the tags must stay in the text
         params.skip_special_tokens = False
     stops = [i for t in parser.stops if (i := tokenizer.token_id(t)) is not None]

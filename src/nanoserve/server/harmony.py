@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 
 START, MESSAGE, CHANNEL, CALL = "<|start|>", "<|message|>", "<|channel|>", "<|call|>"
+CONSTRAIN = "<|constrain|>"  # a call's header may give its content type: ` <|constrain|>json`
+NEXT_MESSAGE = "<|end|>" + START + "assistant"  # a message closed and the assistant's next begun
 ENDS = ("<|end|>", CALL, "<|return|>")  # what closes a message's body
 STOPS = ("<|return|>", CALL)  # what ends the assistant's turn
 FUNCTIONS = "functions."  # the recipient namespace of the client's functions

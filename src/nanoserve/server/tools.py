@@ -24,7 +24,6 @@ from typing import Any
 
 from nanoserve.engine import StructuredOutputsParams, closed_schema
 from nanoserve.server import harmony
-from nanoserve.server.protocol import InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -206,10 +205,30 @@ class HarmonyTools(ToolSyntax):
     def grammar(
         self, tools: list[dict[str, Any]], parallel: bool, tags: Mapping[str, int] | None = None
     ) -> StructuredOutputsParams:
-        raise InvalidRequest(
-            'tool_choice: "required" and a named function are not implemented for gpt-oss\'s '
-            'harmony format (its calls follow its analysis); use "auto"', "tool_choice",
-        )  # fmt: skip
+        """One call of one of `tools`: `<|channel|>commentary to=functions.NAME`, perhaps
+        ` <|constrain|>json`, then `<|message|>`, the arguments (matching NAME's schema) and
+        `<|call|>`, which ends the turn (so one call, whatever `parallel`). The engine starts it
+        where the analysis has ended (chat_plan: the thinking's end is harmony.NEXT_MESSAGE
+        then), so that the model thinks first."""
+        tags = tags or {}
+
+        def items(text: str) -> str:
+            return " ".join(self._literal(text, tags))
+
+        rules, calls = [], []
+        for k, t in enumerate(tools):
+            header = items(f"{harmony.CHANNEL}commentary to={harmony.FUNCTIONS}{t['name']}")
+            typed = items(f" {harmony.CONSTRAIN}json")
+            calls.append(
+                f"{header} ({typed})? {items(harmony.MESSAGE)} body{k} {items(harmony.CALL)}"
+            )
+            schema = closed_schema(t.get("parameters") or {"type": "object"})
+            rules.append(f"body{k}: %json {json.dumps(schema)}")
+        lark = "start: " + " | ".join(f"({c})" for c in calls) + "\n" + "\n".join(rules) + "\n"
+        return StructuredOutputsParams(grammar=lark, param="tools")
+
+    def tags(self) -> list[str]:
+        return [harmony.CHANNEL, harmony.MESSAGE, harmony.CALL, harmony.CONSTRAIN]
 
     def split(self, text: str, names: set[str]) -> tuple[int | None, list[dict[str, Any]]]:
         first = None
