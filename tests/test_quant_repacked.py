@@ -86,11 +86,20 @@ def test_what_cannot_be_repacked_is_refused_by_name():
         kernels.expert_linear(x, [r], 8, torch.zeros((0, 3), dtype=torch.int64))
 
 
-def test_the_loader_repacks_unless_told_not_to(monkeypatch):
-    assert quant.repack_at_load("q4_k", 2048) and not quant.repack_at_load("q4_k", 2040)
+def test_the_loader_repacks_on_the_avx512_path_unless_told_not_to(monkeypatch):
+    avx512 = quant.cpu_isa() == "avx512"
+    assert quant.repack_at_load("q4_k", 2048) == avx512 and not quant.repack_at_load("q4_k", 2040)
     assert not quant.repack_at_load("q4_0", 2048)
     monkeypatch.setenv("NANOSERVE_REPACK", "0")
     assert not quant.repack_at_load("q4_k", 2048)
+    if avx512:
+        monkeypatch.setenv("NANOSERVE_REPACK", "1")
+        before = (quant.cpu_isa(), quant.uses_vnni(), quant.uses_amx())
+        quant.set_isa("avx2")
+        try:
+            assert not quant.repack_at_load("q4_k", 2048)
+        finally:
+            quant.set_isa(*before)
 
 
 def test_repacking_a_large_matrix_keeps_every_row():

@@ -112,9 +112,12 @@ def repackable(qtype: str, rows: int) -> bool:
 
 
 def repack_at_load(qtype: str, rows: int) -> bool:
-    """Whether a loader repacks such a matrix: where repackable, unless the environment variable
-    NANOSERVE_REPACK is 0 (read at each call: a benchmark's comparison of the layouts)."""
-    return os.environ.get("NANOSERVE_REPACK", "1") != "0" and repackable(qtype, rows)
+    """Whether a loader repacks such a matrix: where repackable and the kernels take the AVX-512
+    path (AVX2's 8-lane strips read each 64 bytes of a group twice: its GEMV ran 0.93-0.96x the
+    file layout's on an AMD EPYC), unless the environment variable NANOSERVE_REPACK is 0 (read at
+    each call: a benchmark's comparison of the layouts). Every path reads either layout."""
+    wanted = os.environ.get("NANOSERVE_REPACK", "1") != "0" and cpu_isa() == "avx512"
+    return wanted and repackable(qtype, rows)
 
 
 def repack(w: QuantizedWeight) -> QuantizedWeight:
