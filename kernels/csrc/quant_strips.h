@@ -92,8 +92,9 @@ typedef struct {
     int byte_signed;
     int r16; /* W repacked in groups of 16 rows (strip_src), a K-quant's */
     /* Where set, the GEMM's panel_tiles as a function of its own (OUT_OF_LINE_TILES), which a
-     * K-quant's kernels on both layouts share: inlined into the r16 kernel instead, the same
-     * tiles took 6-7% more CPU time in a pp512 on an AMD EPYC (perf's samples). */
+     * K-quant's kernels on both layouts share, so that the layout cannot change the tiles' code:
+     * inlined into each kernel, one perf profile of a pp512 on an AMD EPYC gave the r16 kernel
+     * 7% more samples than the file layout's, from the same source. */
     void (*tiles)(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1, Py_ssize_t p,
                   Py_ssize_t pe);
 } strip_format;
