@@ -85,6 +85,11 @@ NS_INLINE fvec fv_load(const float *p) { return ISA(_mm512_loadu_ps, _mm256_load
 NS_INLINE ivec iv_loadu(const char *p) {
     return ISA(_mm512_loadu_si512, _mm256_loadu_si256)((const void *)p);
 }
+NS_INLINE void fv_store(float *p, fvec v) { ISA(_mm512_storeu_ps, _mm256_storeu_ps)(p, v); }
+NS_INLINE fvec fv_max(fvec a, fvec b) { return ISA(_mm512_max_ps, _mm256_max_ps)(a, b); }
+NS_INLINE fvec fv_min(fvec a, fvec b) { return ISA(_mm512_min_ps, _mm256_min_ps)(a, b); }
+/* v (integral values) as int32 lanes */
+NS_INLINE ivec fv_to_iv(fvec v) { return ISA(_mm512_cvtps_epi32, _mm256_cvtps_epi32)(v); }
 /* a b + c, one rounding */
 NS_INLINE fvec fv_fma(fvec a, fvec b, fvec c) {
     return ISA(_mm512_fmadd_ps, _mm256_fmadd_ps)(a, b, c);
@@ -133,18 +138,66 @@ NS_INLINE fvec widen(const char *p, const int bf16) {
     return ISA(_mm512_cvtph_ps, _mm256_cvtph_ps)(h);
 }
 
-/* The lanes of v added in a fixed order (AVX-512: its halves first). */
-NS_INLINE float fv_sum(fvec v) {
+/* The lanes of v folded in a fixed order (AVX-512: its halves first): added, or their max
+ * where max. */
+NS_INLINE float fv_fold(fvec v, const int max) {
 #ifdef NS_AVX512
     const __m256 top = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), top);
+    const __m256 low = _mm512_castps512_ps256(v);
+    const __m256 h = max ? _mm256_max_ps(low, top) : _mm256_add_ps(low, top);
 #else
     const __m256 h = v;
 #endif
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    const __m128 a = _mm256_castps256_ps128(h), b = _mm256_extractf128_ps(h, 1);
+    __m128 s = max ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
+    s = max ? _mm_max_ps(s, _mm_movehl_ps(s, s)) : _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = max ? _mm_max_ss(s, _mm_movehdup_ps(s)) : _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+NS_INLINE float fv_sum(fvec v) { return fv_fold(v, 0); }
+NS_INLINE float fv_hmax(fvec v) { return fv_fold(v, 1); }
+
+/* v where x >= lo, else 0 (x NaN: v) */
+NS_INLINE fvec fv_zero_below(fvec x, fvec lo, fvec v) {
+#ifdef NS_AVX512
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), v, _mm512_setzero_ps());
+#else
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), v);
+#endif
+}
+
+/* Lane i: the sum of v[i]'s lanes, for STRIP_W vectors at once (a transpose and add, in a fixed
+ * order): pairs of vectors, then pairs of pairs, within 128-bit lanes, then across them. */
+NS_INLINE fvec fv_sums(const fvec v[STRIP_W]) {
+    fvec u[STRIP_W / 2], w[STRIP_W / 4];
+#pragma GCC unroll 8
+    for (int i = 0; i < STRIP_W / 2; i++)
+        u[i] = fv_add(ISA(_mm512_unpacklo_ps, _mm256_unpacklo_ps)(v[2 * i], v[2 * i + 1]),
+                      ISA(_mm512_unpackhi_ps, _mm256_unpackhi_ps)(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+    for (int i = 0; i < STRIP_W / 4; i++) {
+#ifdef NS_AVX512
+        const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+        w[i] = fv_add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                      _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+#else
+        const __m256d a = _mm256_castps_pd(u[2 * i]), b = _mm256_castps_pd(u[2 * i + 1]);
+        w[i] = fv_add(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                      _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+#endif
+    }
+    /* w[i]'s 128-bit lane k: the sums over lane k of v[4 i] .. v[4 i + 3] */
+#ifdef NS_AVX512
+    const fvec z01 = fv_add(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                            _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    const fvec z23 = fv_add(_mm512_shuffle_f32x4(w[2], w[3], 0x88),
+                            _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+    return fv_add(_mm512_shuffle_f32x4(z01, z23, 0x88), _mm512_shuffle_f32x4(z01, z23, 0xDD));
+#else
+    return fv_add(_mm256_permute2f128_ps(w[0], w[1], 0x20),
+                  _mm256_permute2f128_ps(w[0], w[1], 0x31));
+#endif
 }
 
 #ifdef NS_AVX512
