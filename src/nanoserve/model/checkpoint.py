@@ -12,7 +12,7 @@ import torch
 
 from nanoserve.model import gpt_oss
 from nanoserve.model.config import CheckpointError, ModelConfig
-from nanoserve.model.loader import check_tensors, read_checkpoint, tensor_elements
+from nanoserve.model.loader import check_tensors, read_checkpoint, tensor_bytes
 from nanoserve.model.quantized import Weight
 from nanoserve.tokenizer import Tokenizer
 
@@ -50,7 +50,7 @@ class HFCheckpoint:
             raise FileNotFoundError(
                 f"{self.path}: no tokenizer.json (nanoserve reads Hugging Face fast tokenizers)"
             )
-        check_tensors(self.path, self.config)
+        self.formats = check_tensors(self.path, self.config)
 
     def tokenizer(self) -> Tokenizer:
         try:
@@ -59,16 +59,18 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: cannot read its tokenizer ({e})") from None
 
     def block_formats(self) -> list[str]:
-        return []
+        return self.formats  # gpt-oss's MXFP4 experts (model/hf_mxfp4.py)
 
     def read_tensors(
         self, dtype: torch.dtype, device: str | torch.device, keep_blocks: bool = False
     ) -> dict[str, Weight]:
-        raw = read_checkpoint(self.path, dtype, device)  # stored as floats
-        return dict(gpt_oss.as_kept(raw) if self.config.gpt_oss else raw)
+        raw = read_checkpoint(self.path, dtype, device)
+        if self.config.gpt_oss:
+            return gpt_oss.as_kept(raw, dtype, keep_blocks)
+        return dict(raw)
 
     def weight_bytes(self, dtype: torch.dtype, keep_blocks: bool = False) -> int:
-        return tensor_elements(self.path) * dtype.itemsize
+        return tensor_bytes(self.path, dtype, keep_blocks)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

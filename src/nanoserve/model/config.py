@@ -239,10 +239,11 @@ def _check_refused(d: dict[str, Any], family: str) -> None:
     if d.get("quantization_config") is not None:
         method = d["quantization_config"]
         method = method.get("quant_method", "?") if isinstance(method, dict) else method
-        raise ValueError(
-            f"quantization_config ({method}) is not supported: nanoserve loads float32, "
-            "bfloat16 and float16 checkpoints (and GGUF files)"
-        )
+        if not (family == "gpt_oss" and method == "mxfp4"):  # its experts' blocks: hf_mxfp4.py
+            raise ValueError(
+                f"quantization_config ({method}) is not supported: nanoserve loads float32, "
+                "bfloat16 and float16 checkpoints, gpt-oss's MXFP4 experts (and GGUF files)"
+            )
     layer_types = d.get("layer_types") or []
     if not isinstance(layer_types, list):
         raise ValueError(f"layer_types must be a list, got {layer_types!r}")

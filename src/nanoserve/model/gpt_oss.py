@@ -8,10 +8,12 @@ clamped SwiGLU). Its attention sinks are the kernels' (`sinks=` of the paged att
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 
-from nanoserve.kernels import clamped_swiglu, route_experts
+from nanoserve.kernels import QuantizedWeight, clamped_swiglu, route_experts
+from nanoserve.model import hf_mxfp4
 from nanoserve.model.moe import (
     Experts,
     add_up,
@@ -23,6 +25,7 @@ from nanoserve.model.moe import (
 )
 
 Split = Callable[[torch.Tensor], torch.Tensor]
+Weight: TypeAlias = torch.Tensor | QuantizedWeight
 
 # A stored tensor's name (after "model.layers.N.") -> the names it is kept under and how each is
 # cut from it. gate_up_proj is [experts, hidden, 2 * intermediate], gate and up interleaved
@@ -55,7 +58,13 @@ def _split(name: str) -> tuple[str, list[tuple[str, Split]]] | None:
 
 def kept_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
     """The (name, shape) pairs a stored tensor is kept as (itself where STORED has no entry),
-    from its header alone: for the checkpoint's check before anything loads."""
+    from its header alone: for the checkpoint's check before anything loads. An MXFP4 matrix's
+    blocks are kept as its float tensor would be; its scales go with them."""
+    mxfp4 = hf_mxfp4.part_of(name)
+    if mxfp4 is not None:
+        if mxfp4[1] == "_scales":
+            return []
+        name, shape = mxfp4[0], hf_mxfp4.float_shape(shape)
     found = _split(name)
     if found is None:
         return [(name, shape)]
@@ -77,9 +86,22 @@ def stored_name(kept: str) -> str:
     return kept
 
 
-def as_kept(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors under the names and in the layouts model/weights.py keeps."""
-    out: dict[str, torch.Tensor] = {}
+def as_kept(
+    raw: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, keep_blocks: bool = False
+) -> dict[str, Weight]:
+    """A checkpoint's tensors under the names and in the layouts model/weights.py keeps; an
+    MXFP4 matrix (model/hf_mxfp4.py) in GGUF's MXFP4 blocks with keep_blocks, else in dtype."""
+    out: dict[str, Weight] = {}
+    for name in [n for n in raw if hf_mxfp4.part_of(n) == (n.removesuffix("_blocks"), "_blocks")]:
+        stored = name.removesuffix("_blocks")
+        ggml = hf_mxfp4.as_ggml(raw.pop(name), raw.pop(stored + "_scales"))
+        found = _split(stored)
+        if not keep_blocks or found is None:
+            raw[stored] = hf_mxfp4.as_floats(ggml, dtype)
+            continue
+        prefix, parts = found  # each cut takes the float layout's [experts, K, rows]
+        for kept, cut in parts:
+            out[prefix + kept] = hf_mxfp4.kept(cut(ggml.transpose(1, 2)))
     for name in list(raw):
         found = _split(name)
         if found is None:

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nanoserve.kernels import QuantizedParts
-from nanoserve.model import gpt_oss
+from nanoserve.model import gpt_oss, hf_mxfp4
 from nanoserve.model.config import CheckpointError, ModelConfig, read_json
 from nanoserve.model.linear import Linear
 from nanoserve.model.moe import Experts
@@ -60,12 +60,14 @@ def load_weights(
 def read_checkpoint(
     path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint under their Hugging Face names, cast to `dtype` on `device`."""
+    """All tensors of a checkpoint under their Hugging Face names, the floats cast to `dtype` on
+    `device`; MXFP4 blocks and scales (uint8, model/hf_mxfp4.py) as they are, on the CPU."""
     weights: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with _opened(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                t = f.get_tensor(name)
+                weights[name] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t
     return weights
 
 
@@ -79,13 +81,22 @@ def _opened(file: Path) -> Iterator[Any]:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def tensor_elements(path: str | Path) -> int:
-    """How many values the checkpoint's tensors hold, from the files' headers."""
+def tensor_bytes(path: str | Path, dtype: torch.dtype, keep_blocks: bool) -> int:
+    """The bytes the checkpoint's tensors take in memory as read_tensors gives them, from the
+    files' headers: floats in dtype, MXFP4 matrices in their bytes with keep_blocks (else as
+    floats: two values a byte of their blocks)."""
     total = 0
     for file in checkpoint_files(path):
         with _opened(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                total += math.prod(f.get_slice(name).get_shape())
+                n = math.prod(f.get_slice(name).get_shape())
+                mxfp4 = hf_mxfp4.part_of(name)
+                if mxfp4 is None:
+                    total += n * dtype.itemsize
+                elif keep_blocks:
+                    total += n
+                elif mxfp4[1] == "_blocks":
+                    total += 2 * n * dtype.itemsize
     return total
 
 
@@ -170,15 +181,17 @@ IGNORED = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
-def check_tensors(path: str | Path, config: ModelConfig) -> None:
-    """Every tensor of a safetensors checkpoint is one the config's model has, in floats, of the
-    shape the config makes it, and none is missing; CheckpointError naming the file and the first
-    tensor at fault. Reads the files' headers only."""
+def check_tensors(path: str | Path, config: ModelConfig) -> list[str]:
+    """Every tensor of a safetensors checkpoint is one the config's model has, in floats (or
+    gpt-oss's experts in MXFP4, model/hf_mxfp4.py), of the shape the config makes it, and none is
+    missing; CheckpointError naming the file and the first tensor at fault. Reads the files'
+    headers only. Returns the block formats found: ["mxfp4"] or none."""
     expected: dict[str, tuple[int, ...] | None] = {}
     for prefix, _, t in listed(config):
         shapes = list(part_shapes(t, config)) if t.parts else [None] * len(t.hf)
         expected.update(zip(names(prefix, t, config), shapes, strict=True))
     tied = "lm_head.weight"
+    mxfp4: dict[tuple[str, str], tuple[int, ...]] = {}  # (matrix, part): shape
     for file in checkpoint_files(path):
         with _opened(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -186,10 +199,15 @@ def check_tensors(path: str | Path, config: ModelConfig) -> None:
                     continue
                 info = f.get_slice(name)
                 dtype, shape = info.get_dtype(), tuple(info.get_shape())
+                part = hf_mxfp4.part_of(name) if config.gpt_oss else None
+                if part is not None:
+                    _check_mxfp4_part(file, name, dtype, shape)
+                    mxfp4[part], dtype = shape, "F32"  # kept as the floats it holds
                 kept = gpt_oss.kept_names(name, shape) if config.gpt_oss else [(name, shape)]
                 for kept_name, kept_shape in kept:
                     _check_tensor(file, kept_name, dtype, kept_shape, expected, config)
                     expected.pop(kept_name, None)
+    _check_mxfp4_pairs(path, mxfp4)
     if config.tie_word_embeddings:
         expected.pop(tied, None)
     if expected:
@@ -197,6 +215,32 @@ def check_tensors(path: str | Path, config: ModelConfig) -> None:
         missing = gpt_oss.stored_name(missing) if config.gpt_oss else missing
         why = " and tie_word_embeddings is false" if missing == tied else ""
         raise CheckpointError(f"{path}: checkpoint has no tensor {missing}{why}")
+    return ["mxfp4"] if mxfp4 else []
+
+
+def _check_mxfp4_part(file: Path, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+    rank = 4 if name.endswith("_blocks") else 3
+    if dtype != "U8" or len(shape) != rank or (rank == 4 and shape[3] != 16):
+        want = "[experts, rows, K / 32, 16]" if rank == 4 else "[experts, rows, K / 32]"
+        raise CheckpointError(
+            f"{file}: tensor {name} is {dtype} {list(shape)}, but an MXFP4 {name[-7:]} tensor "
+            f"is U8 {want}"
+        )
+
+
+def _check_mxfp4_pairs(path: str | Path, parts: dict[tuple[str, str], tuple[int, ...]]) -> None:
+    """Each MXFP4 matrix has its blocks and its scales, one scale a block."""
+    for (matrix, part), shape in parts.items():
+        other = "_scales" if part == "_blocks" else "_blocks"
+        if (matrix, other) not in parts:
+            raise CheckpointError(f"{path}: {matrix}{part} has no {matrix}{other}")
+        blocks = shape if part == "_blocks" else parts[matrix, other]
+        scales = parts[matrix, "_scales"]
+        if blocks[:3] != scales:
+            raise CheckpointError(
+                f"{path}: {matrix}_scales has shape {list(scales)}, but its blocks make it "
+                f"{list(blocks[:3])}"
+            )
 
 
 def _check_tensor(
