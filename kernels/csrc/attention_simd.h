@@ -55,7 +55,7 @@ NS_INLINE void block_scores(const attn_scratch *s, float *part, const char *k, c
                 fvec kr[KEY_VECS];
 #pragma GCC unroll 8
                 for (int c = 0; c < KEY_VECS; c++)
-                    if (j0 + c * STRIP_W < d) kr[c] = row_at(row, j0 + c * STRIP_W, dtype);
+                    kr[c] = j0 + c * STRIP_W < d ? row_at(row, j0 + c * STRIP_W, dtype) : fv_zero();
                 for (Py_ssize_t g = 0; g < group; g++) {
                     const float *q = s->q + g * d + j0;
                     float *p_g = p_i + g * STRIP_W * STRIP_W;
@@ -116,14 +116,15 @@ NS_INLINE void block_values(const attn_scratch *s, Py_ssize_t g0, const int GT,
         for (int g = 0; g < GT; g++)
 #pragma GCC unroll 4
             for (int c = 0; c < VECS; c++)
-                if (j0 + c * STRIP_W < d)
-                    r[g][c] = fv_mul(fv_load(acc + g * d + j0 + c * STRIP_W), fv_set(alpha[g]));
+                r[g][c] = j0 + c * STRIP_W < d
+                              ? fv_mul(fv_load(acc + g * d + j0 + c * STRIP_W), fv_set(alpha[g]))
+                              : fv_zero();
         for (Py_ssize_t t = lo; t < n; t++) {
             const char *row = v + (size_t)t * row_bytes;
             fvec x[VECS];
 #pragma GCC unroll 4
             for (int c = 0; c < VECS; c++)
-                if (j0 + c * STRIP_W < d) x[c] = row_at(row, j0 + c * STRIP_W, dtype);
+                x[c] = j0 + c * STRIP_W < d ? row_at(row, j0 + c * STRIP_W, dtype) : fv_zero();
 #pragma GCC unroll 4
             for (int g = 0; g < GT; g++) {
                 const fvec w = fv_set(p[g * width + t]);
