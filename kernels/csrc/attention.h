@@ -15,10 +15,11 @@ typedef struct attn_scratch attn_scratch;
 
 /* One block's online-softmax step for every query head of the group: k and v hold the block's
  * rows ([block_size, d], rows [0, n) valid) of dtype float32, bfloat16 or float16; rows before lo
- * are outside a sliding window. */
+ * are outside a sliding window. next_k and next_v: the next block's rows (of dtype too), asked
+ * for as the step goes, or NULL. */
 typedef void (*ns_attn_block_fn)(const attn_scratch *s, const char *k, const char *v, int dtype,
                                  Py_ssize_t lo, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d,
-                                 Py_ssize_t bs);
+                                 Py_ssize_t bs, const char *next_k, const char *next_v);
 
 /* Per-thread float32 scratch, sized once per call. */
 struct attn_scratch {
@@ -36,9 +37,10 @@ enum { NS_ATTN_MAX_GROUP = 16 };
 
 /* attention_avx2.c, attention_avx512.c: for head_dim a multiple of 8 (AVX2) or 16 (AVX-512). */
 void ns_attn_block_avx2(const attn_scratch *s, const char *k, const char *v, int dtype,
-                        Py_ssize_t lo, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d, Py_ssize_t bs);
+                        Py_ssize_t lo, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d, Py_ssize_t bs,
+                        const char *next_k, const char *next_v);
 void ns_attn_block_avx512(const attn_scratch *s, const char *k, const char *v, int dtype,
                           Py_ssize_t lo, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d,
-                          Py_ssize_t bs);
+                          Py_ssize_t bs, const char *next_k, const char *next_v);
 
 #endif

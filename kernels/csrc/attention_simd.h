@@ -40,11 +40,17 @@ enum { KEY_VECS = 8 };
  * 0), STRIP_W rows at a time: each key row is widened once for all heads, each head's partial
  * sums over the row kept in part [group, STRIP_W, STRIP_W] and added across by fv_sums. */
 NS_INLINE void block_scores(const attn_scratch *s, float *part, const char *k, const int dtype,
-                            Py_ssize_t n, Py_ssize_t group, const Py_ssize_t d, Py_ssize_t width) {
+                            Py_ssize_t n, Py_ssize_t group, const Py_ssize_t d, Py_ssize_t width,
+                            const char *next_k, const char *next_v) {
     const size_t row_bytes = (size_t)d * ns_dtype_size(dtype);
     for (Py_ssize_t t0 = 0; t0 < n; t0 += STRIP_W) {
         for (Py_ssize_t i = 0; i < STRIP_W; i++) {
             float *p_i = part + i * STRIP_W;
+            if (next_k) /* a row of the next block's keys and values a row of this one's, to L2 */
+                for (size_t off = 0; off < row_bytes; off += 64) {
+                    __builtin_prefetch(next_k + (t0 + i) * row_bytes + off, 0, 2);
+                    __builtin_prefetch(next_v + (t0 + i) * row_bytes + off, 0, 2);
+                }
             if (t0 + i >= n) {
                 for (Py_ssize_t g = 0; g < group; g++)
                     fv_store(p_i + g * STRIP_W * STRIP_W, fv_zero());
@@ -143,10 +149,10 @@ NS_INLINE void block_values(const attn_scratch *s, Py_ssize_t g0, const int GT,
 
 NS_INLINE void attn_block(const attn_scratch *s, const char *k, const char *v, const int dtype,
                           Py_ssize_t lo, Py_ssize_t n, Py_ssize_t group, const Py_ssize_t d,
-                          Py_ssize_t bs) {
+                          Py_ssize_t bs, const char *next_k, const char *next_v) {
     const Py_ssize_t width = (bs + STRIP_W - 1) / STRIP_W * STRIP_W;
     float part[NS_ATTN_MAX_GROUP * STRIP_W * STRIP_W] __attribute__((aligned(64)));
-    block_scores(s, part, k, dtype, n, group, d, width);
+    block_scores(s, part, k, dtype, n, group, d, width, n == bs ? next_k : NULL, next_v);
     for (Py_ssize_t g0 = 0; g0 < group; g0 += VALUE_HEADS) {
         const Py_ssize_t gt = group - g0 < VALUE_HEADS ? group - g0 : VALUE_HEADS;
         float alpha[VALUE_HEADS];
@@ -165,13 +171,13 @@ NS_INLINE void attn_block(const attn_scratch *s, const char *k, const char *v, c
 
 NS_INLINE void attn_block_of(const attn_scratch *s, const char *k, const char *v, const int dtype,
                              Py_ssize_t lo, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d,
-                             Py_ssize_t bs) {
+                             Py_ssize_t bs, const char *next_k, const char *next_v) {
     if (d == 64)
-        attn_block(s, k, v, dtype, lo, n, group, 64, bs);
+        attn_block(s, k, v, dtype, lo, n, group, 64, bs, next_k, next_v);
     else if (d == 128)
-        attn_block(s, k, v, dtype, lo, n, group, 128, bs);
+        attn_block(s, k, v, dtype, lo, n, group, 128, bs, next_k, next_v);
     else
-        attn_block(s, k, v, dtype, lo, n, group, d, bs);
+        attn_block(s, k, v, dtype, lo, n, group, d, bs, next_k, next_v);
 }
 
 /* The step for the including file's instruction set, with the common dtypes and head sizes as
@@ -179,11 +185,11 @@ NS_INLINE void attn_block_of(const attn_scratch *s, const char *k, const char *v
 #define ATTN_BLOCK_KERNEL(name)                                                                    \
     NS_KERNEL void name(const attn_scratch *s, const char *k, const char *v, int dtype,           \
                         Py_ssize_t lo, Py_ssize_t n, Py_ssize_t group, Py_ssize_t d,              \
-                        Py_ssize_t bs) {                                                          \
+                        Py_ssize_t bs, const char *next_k, const char *next_v) {                  \
         if (dtype == NS_F16)                                                                       \
-            attn_block_of(s, k, v, NS_F16, lo, n, group, d, bs);                                   \
+            attn_block_of(s, k, v, NS_F16, lo, n, group, d, bs, next_k, next_v);                   \
         else if (dtype == NS_BF16)                                                                 \
-            attn_block_of(s, k, v, NS_BF16, lo, n, group, d, bs);                                  \
+            attn_block_of(s, k, v, NS_BF16, lo, n, group, d, bs, next_k, next_v);                  \
         else                                                                                       \
-            attn_block_of(s, k, v, NS_F32, lo, n, group, d, bs);                                   \
+            attn_block_of(s, k, v, NS_F32, lo, n, group, d, bs, next_k, next_v);                   \
     }
