@@ -36,6 +36,11 @@ from nanoserve.testing.harness import live_server, serve_command
 LIMIT = "NANOSERVE_MEMORY_LIMIT_BYTES"
 
 
+def _thp_mode() -> str:
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return thp.read_text() if thp.exists() else ""
+
+
 def _rss(pid: int) -> int:
     return resident_bytes(Path(f"/proc/{pid}/status"))
 
@@ -309,3 +314,33 @@ def test_an_injected_limit_stands_in_for_the_machine(monkeypatch):
     room = headroom()
     assert abs(room.bytes - (64 * GiB - held)) < 64 * MiB  # the limit less what is held now
     assert room.source.startswith(f"{LIMIT}={64 * GiB}")
+
+
+# A step's activations are freed blocks that glibc's malloc would map afresh each step.
+_REUSE = """
+import resource, torch
+from nanoserve.engine.memory import keep_freed_memory
+
+def faults_of_a_step():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(10 << 20)  # 40 MiB, freed at once: past glibc's largest mmap threshold
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+faults_of_a_step()
+default = faults_of_a_step()
+print(keep_freed_memory(64 << 20))
+faults_of_a_step()
+print(default, faults_of_a_step())
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or "[always]" in _thp_mode(), reason="glibc, 4 KiB pages"
+)
+def test_a_steps_freed_activations_are_reused_not_faulted_in_again():
+    out = subprocess.run([sys.executable, "-c", _REUSE], capture_output=True, text=True, check=True)
+    kept, counts = out.stdout.split("\n", 1)
+    default, kept_faults = map(int, counts.split())
+    assert kept == "True"
+    assert default > 5000  # 10240 pages of 4 KiB, each faulted in again
+    assert kept_faults < default / 10

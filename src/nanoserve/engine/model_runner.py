@@ -22,7 +22,12 @@ from nanoserve.config import DEFAULT_KV_CACHE_GB, EngineConfig
 from nanoserve.engine.cuda_graphs import DecodeGraphs
 from nanoserve.engine.inputs import Chunk, PromptScoring, StepInputs, pack
 from nanoserve.engine.kv_cache import allocate_cache, block_bytes, cdiv, take_cache
-from nanoserve.engine.memory import check_weights_fit, headroom
+from nanoserve.engine.memory import (
+    check_weights_fit,
+    headroom,
+    keep_freed_memory,
+    working_margin,
+)
 from nanoserve.engine.sampling import Logprob, token_logprobs
 from nanoserve.model import (
     SINGLE,
@@ -79,6 +84,8 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or min(
             positions, self.num_blocks * config.block_size
         )
+        if self.device.type == "cpu":  # a step's activations reused, not faulted in again
+            keep_freed_memory(working_margin(mc, config, self.max_model_len))
         # On CUDA every decode step takes the padded path, replayed from graphs when captured;
         # not under tensor parallelism (a graph would have to capture the collectives on every
         # rank at once), where each step runs eagerly.
