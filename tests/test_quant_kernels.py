@@ -281,8 +281,9 @@ def test_quantized_linear_against_gguf(isa, qtype, k):
 
 @pytest.mark.parametrize("qtype", kernels.QUANT_TYPES)
 def test_a_row_is_bitwise_the_same_in_any_batch_and_thread_count(isa, qtype):
-    """GEMV (M <= 4, or 8 on AVX-512) and GEMM rows, several panels of N, any rows beside it, any
-    threads; the K-quants' random valid blocks at two super-blocks a row."""
+    """GEMV (M <= 4, or 8 on AVX-512) and GEMM rows, several strips of N, chunks of K (8 blocks)
+    and bands of rows (512), any rows beside it, any threads; the K-quants' random valid blocks
+    at two super-blocks a row."""
     n = 600
     if qtype in KQUANTS:
         w = _kquant_weight(qtype, n, 512, seed=3)
@@ -290,10 +291,10 @@ def test_a_row_is_bitwise_the_same_in_any_batch_and_thread_count(isa, qtype):
         w = kernels.quantize(_weight(n, 32 * 9, seed=3), qtype)
     k = w.shape[1]
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(300, k, generator=g)
+    x = torch.randn(600, k, generator=g)
     full = kernels.quantized_linear(x, w)
     for m in ROWS:
-        rows = torch.randperm(300, generator=g)[:m]
+        rows = torch.randperm(600, generator=g)[:m]
         assert torch.equal(kernels.quantized_linear(x[rows], w), full[rows]), m
     threads = torch.get_num_threads()
     try:

@@ -38,8 +38,7 @@ static inline void ns_pack_nibbles(uint8_t qs[QK / 2], const uint8_t q[QK]) {
 
 /* The largest block: the SIMD kernels copy a matrix's last rows' blocks into buffers this wide. */
 enum { NS_MAX_BLOCK_BYTES = 210 }; /* Q6_K's */
-/* The most bytes of unpacked weights a SIMD GEMM panel takes, to stay in L2 (unpacked 4-bit blocks
- * take 4x their bytes). */
+/* The most bytes of W's rows the F16 GEMM takes at a time, to stay in L2 (quant_f16.h). */
 enum { NS_PANEL_BYTES = 256 << 10 };
 /* The GEMV prefetches the next strips' rows into L1 up to this many bytes (a third of a 48 KiB L1,
  * half of a 32 KiB one), into L2 past it. */

@@ -26,8 +26,8 @@
 #include <immintrin.h>
 
 enum { AMX_ROWS = NS_AMX_ROWS }; /* rows of x a tile takes */
-/* The most bytes of a panel: more than the VNNI GEMM's (NS_PANEL_BYTES), since every tile of rows
- * reads the activations of all of K, from L3 once they outgrow L2, per panel. */
+/* The most bytes of a panel (whole strips, in L2): every tile of rows reads the activations of all
+ * of K, from L3 once they outgrow L2, per panel. */
 enum { AMX_PANEL_BYTES = 1 << 20 };
 
 /* One block of a strip in B's layout: row g holds, for each column c, its values at positions

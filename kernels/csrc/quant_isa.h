@@ -206,6 +206,11 @@ NS_INLINE void store_cols(float *out, int n, fvec v) {
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), v);
 }
 
+/* out's first n floats, zeros after them (none read). */
+NS_INLINE fvec load_cols(const float *out, int n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), out);
+}
+
 /* Each of 16 rows' 32 bits at w (row c's at w + c stride): lane c, gathered in one instruction
  * (16 scalar stores read back as a vector would stall on store forwarding at every block). */
 NS_INLINE ivec row_words(const char *w, size_t stride) {
@@ -252,6 +257,12 @@ NS_INLINE void transpose_rows(ivec g[4], const char *src, size_t stride) {
 NS_INLINE void store_cols(float *out, int n, fvec v) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes), v);
+}
+
+/* out's first n floats, zeros after them (none read). */
+NS_INLINE fvec load_cols(const float *out, int n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
 }
 
 /* Each of 8 rows' 32 bits at w (row c's at w + c stride): lane c, assembled in registers. */

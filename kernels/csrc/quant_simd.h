@@ -299,7 +299,7 @@ NS_INLINE void q5_k_unpack(strip *s, strip_src src) {
 }
 
 static void q4_k_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
-                       Py_ssize_t p, Py_ssize_t pe);
+                       gemm_chunk k);
 static const strip_format Q4_K_STRIPS = {.block_bytes = sizeof(block_q4_K),
                                          .has_min = 1,
                                          .subs = KQ_SUBS,
@@ -339,7 +339,7 @@ NS_INLINE void q5_k_unpack_bytes(strip8 *s, strip_src src) {
 }
 
 static void q5_k_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
-                       Py_ssize_t p, Py_ssize_t pe);
+                       gemm_chunk k);
 static const strip_format Q5_K_STRIPS = {.block_bytes = sizeof(block_q5_K),
                                          .has_min = 1,
                                          .subs = KQ_SUBS,
@@ -445,7 +445,7 @@ NS_INLINE void q6_k_unpack_bytes(strip8 *s, strip_src src) {
 }
 
 static void q6_k_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
-                       Py_ssize_t p, Py_ssize_t pe);
+                       gemm_chunk k);
 static const strip_format Q6_K_STRIPS = {.block_bytes = sizeof(block_q6_K),
                                          .subs = KQ_SUBS,
                                          .unpack_super = q6_k_unpack,

@@ -15,8 +15,8 @@
  *     acc = fma(float(dot), d * dx, acc);  acc = fma(m, dx * sum(q), acc)  (Q4_1)
  *
  * block after block, the same operations for an output whatever tile, strip lane or thread it is
- * in, so the GEMV (M <= GEMV_ROWS, unpacking blocks as it streams W) and the GEMM (panels unpacked
- * once and kept in L2 under every tile of rows) agree bitwise. Against lanes along K this does one
+ * in, so the GEMV (M <= GEMV_ROWS, unpacking blocks as it streams W) and the GEMM (chunks of W
+ * unpacked once into a panel kept in L1 under every tile of rows) agree bitwise. Against lanes along K this does one
  * convert, multiply and FMA per 16 dot steps instead of per 2-4, and no horizontal sums;
  * unpacking costs a transpose of a strip's bytes per block, or, for the K-quants repacked at load
  * (quant_r16.c, strip_src below), plain loads of bytes laid out transposed.
@@ -71,6 +71,15 @@ NS_INLINE fvec src_last_half(strip_src src, size_t off) {
     return half_floats(row_words(src.w + 64 * (size_t)src.words + 16 * src.half - 2, 2), 1);
 }
 
+/* A chunk of the GEMM (strip_gemm): blocks b0 .. b1 of the nr strips from strip s (of its columns
+ * n0 .. n1), for rows r0 .. r1. GEMM_BLOCKS: a chunk's blocks, a K-quant's super-block (each
+ * unpacked whole); GEMM_BAND: its rows. */
+typedef struct gemm_chunk {
+    Py_ssize_t s, r0, r1, b0, b1;
+    int nr;
+} gemm_chunk;
+enum { GEMM_BLOCKS = QK_K / QK, GEMM_BAND = 512 };
+
 /* What the driver needs of a format, passed as a constant so that each format's kernel is compiled
  * with its own unpacking inlined: unpack(s, src) unpacks the blocks of STRIP_W rows of W at src;
  * has_min: Q4_1's m dx sum(q) is added. */
@@ -95,8 +104,8 @@ typedef struct {
      * K-quant's kernels on both layouts share, so that the layout cannot change the tiles' code:
      * inlined into each kernel, one perf profile of a pp512 on an AMD EPYC gave the r16 kernel
      * 7% more samples than the file layout's, from the same source. */
-    void (*tiles)(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1, Py_ssize_t p,
-                  Py_ssize_t pe);
+    void (*tiles)(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
+                  gemm_chunk k);
 } strip_format;
 
 /* v shifted left by s bits (right by -s), s a constant after unrolling. */
@@ -264,26 +273,32 @@ NS_INLINE void block_step(fvec acc[GEMV_ROWS][TILE_NR], const strip *const s[TIL
     scale_dots(acc, dot, s, xq, r0, mr, nr, b, f.halves, f.has_min);
 }
 
-/* Rows r0 .. r0 + mr by the nr strips from column c0 (the last one `last` columns wide), over all
- * of K. The strips' blocks come from panel (strip c's block b at panel[c * nb + b]) if given,
- * else are unpacked from W block by block. */
+/* Rows r0 .. r0 + mr by the nr strips from column c0 (the last one `last` columns wide), over
+ * blocks b0 .. b1 of K. The strips' blocks come from panel (strip c's block b at
+ * panel[c * (b1 - b0) + b - b0]) if given, else are unpacked from W block by block. The sums start
+ * from out's where b0 > 0 (a chunk of K after another: strip_gemm), so that a row's operations and
+ * their order are those of one pass over K. */
 NS_INLINE void strip_tile(const ns_qmm *a, const strip *panel, Py_ssize_t r0, const int mr,
-                          Py_ssize_t c0, const int nr, int last, const strip_format f) {
+                          Py_ssize_t c0, const int nr, int last, Py_ssize_t b0, Py_ssize_t b1,
+                          const strip_format f) {
     const Py_ssize_t nb = a->K / QK;
     fvec acc[GEMV_ROWS][TILE_NR];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 3
-        for (int c = 0; c < nr; c++) acc[r][c] = fv_zero();
+        for (int c = 0; c < nr; c++)
+            acc[r][c] = b0 == 0 ? fv_zero()
+                                : load_cols(a->out + (r0 + r) * a->ldo + c0 + STRIP_W * c,
+                                            c == nr - 1 ? last : STRIP_W);
     strip own[TILE_NR], super[TILE_NR][QK_K / QK]; /* super: a K-quant's super-blocks */
     const strip *s[TILE_NR];
     for (int c = 0; c < TILE_NR; c++) s[c] = own + c;
     const ahead next = ahead_of(a, c0, nr);
-    for (Py_ssize_t b = 0; b < nb; b++) {
+    for (Py_ssize_t b = b0; b < b1; b++) {
         if (!panel) prefetch_share(next, b, nb);
         for (int c = 0; c < nr; c++) {
             if (panel) {
-                s[c] = panel + c * nb + b;
+                s[c] = panel + c * (b1 - b0) + b - b0;
                 continue;
             }
             const Py_ssize_t at = c0 + STRIP_W * c;
@@ -305,23 +320,25 @@ NS_INLINE void strip_tile(const ns_qmm *a, const strip *panel, Py_ssize_t r0, co
 
 /* strip_tile with nr (1..TILE_NR) a constant. */
 NS_INLINE void strip_tile_nr(const ns_qmm *a, const strip *panel, Py_ssize_t r0, const int mr,
-                             Py_ssize_t c0, int nr, int last, const strip_format f) {
+                             Py_ssize_t c0, int nr, int last, Py_ssize_t b0, Py_ssize_t b1,
+                             const strip_format f) {
     if (nr == 1)
-        strip_tile(a, panel, r0, mr, c0, 1, last, f);
+        strip_tile(a, panel, r0, mr, c0, 1, last, b0, b1, f);
     else if (nr == 2 || TILE_NR == 2)
-        strip_tile(a, panel, r0, mr, c0, 2, last, f);
+        strip_tile(a, panel, r0, mr, c0, 2, last, b0, b1, f);
     else
-        strip_tile(a, panel, r0, mr, c0, 3, last, f);
+        strip_tile(a, panel, r0, mr, c0, 3, last, b0, b1, f);
 }
 
 /* strip_tile with mr (1..4) and nr (1..TILE_NR) constants. */
 NS_INLINE void strip_tile_any(const ns_qmm *a, const strip *panel, Py_ssize_t r0, int mr,
-                              Py_ssize_t c0, int nr, int last, const strip_format f) {
+                              Py_ssize_t c0, int nr, int last, Py_ssize_t b0, Py_ssize_t b1,
+                              const strip_format f) {
     switch (mr) {
-    case 1: strip_tile_nr(a, panel, r0, 1, c0, nr, last, f); break;
-    case 2: strip_tile_nr(a, panel, r0, 2, c0, nr, last, f); break;
-    case 3: strip_tile_nr(a, panel, r0, 3, c0, nr, last, f); break;
-    default: strip_tile_nr(a, panel, r0, 4, c0, nr, last, f); break;
+    case 1: strip_tile_nr(a, panel, r0, 1, c0, nr, last, b0, b1, f); break;
+    case 2: strip_tile_nr(a, panel, r0, 2, c0, nr, last, b0, b1, f); break;
+    case 3: strip_tile_nr(a, panel, r0, 3, c0, nr, last, b0, b1, f); break;
+    default: strip_tile_nr(a, panel, r0, 4, c0, nr, last, b0, b1, f); break;
     }
 }
 
@@ -329,10 +346,10 @@ NS_INLINE void strip_tile_any(const ns_qmm *a, const strip *panel, Py_ssize_t r0
 NS_INLINE void strip_tile_wide(const ns_qmm *a, Py_ssize_t r0, int mr, Py_ssize_t c0, int last,
                                const strip_format f) {
     switch (mr) {
-    case 5: strip_tile(a, NULL, r0, 5, c0, 1, last, f); break;
-    case 6: strip_tile(a, NULL, r0, 6, c0, 1, last, f); break;
-    case 7: strip_tile(a, NULL, r0, 7, c0, 1, last, f); break;
-    default: strip_tile(a, NULL, r0, 8, c0, 1, last, f); break;
+    case 5: strip_tile(a, NULL, r0, 5, c0, 1, last, 0, a->K / QK, f); break;
+    case 6: strip_tile(a, NULL, r0, 6, c0, 1, last, 0, a->K / QK, f); break;
+    case 7: strip_tile(a, NULL, r0, 7, c0, 1, last, 0, a->K / QK, f); break;
+    default: strip_tile(a, NULL, r0, 8, c0, 1, last, 0, a->K / QK, f); break;
     }
 }
 
@@ -345,36 +362,31 @@ NS_INLINE void strip_gemv(const ns_qmm *a, Py_ssize_t r0, int mr, Py_ssize_t n0,
         if (GEMV_ROWS > 4 && mr > 4)
             strip_tile_wide(a, r0, mr, c0, last, f);
         else
-            strip_tile_any(a, NULL, r0, mr, c0, 1, last, f);
+            strip_tile_any(a, NULL, r0, mr, c0, 1, last, 0, a->K / QK, f);
     }
 }
 
-/* Columns n0 + STRIP_W p .. of every block, strips p..pe, unpacked into panel. */
-NS_INLINE void unpack_panel(strip *panel, const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1,
-                            Py_ssize_t p, Py_ssize_t pe, const strip_format f) {
-    const Py_ssize_t nb = a->K / QK;
-    for (Py_ssize_t s = p; s < pe; s++) {
-        const Py_ssize_t c0 = n0 + STRIP_W * s;
+/* The chunk's blocks of its strips, unpacked into panel (strip_tile's layout). */
+NS_INLINE void unpack_chunk(strip *panel, const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1,
+                            gemm_chunk k, const strip_format f) {
+    for (int c = 0; c < k.nr; c++) {
+        const Py_ssize_t c0 = n0 + STRIP_W * (k.s + c);
         const int n = n1 - c0 < STRIP_W ? (int)(n1 - c0) : STRIP_W;
-        for (Py_ssize_t b = 0; b < nb; b++) {
+        for (Py_ssize_t b = k.b0; b < k.b1; b++) {
             if (f.subs <= 1 || b % f.subs == 0) /* a super-block fills subs blocks */
-                unpack_block(panel + (s - p) * nb + b, a, c0, b, n, f);
+                unpack_block(panel + c * (k.b1 - k.b0) + b - k.b0, a, c0, b, n, f);
         }
     }
 }
 
-/* Every tile of TILE_MR rows by TILE_NR strips over the panel of strips p .. pe, unpacked. */
+/* Every tile of TILE_MR rows of the chunk over its unpacked panel. */
 NS_INLINE void panel_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, Py_ssize_t n1,
-                           Py_ssize_t p, Py_ssize_t pe, const strip_format f) {
-    const Py_ssize_t nb = a->K / QK;
-    for (Py_ssize_t r0 = 0; r0 < a->M; r0 += TILE_MR) {
-        const int mr = a->M - r0 < TILE_MR ? (int)(a->M - r0) : TILE_MR;
-        for (Py_ssize_t s = p; s < pe; s += TILE_NR) {
-            const int nr = pe - s < TILE_NR ? (int)(pe - s) : TILE_NR;
-            const Py_ssize_t c0 = n0 + STRIP_W * s, end = c0 + STRIP_W * nr;
-            const int last = (int)(STRIP_W - ((end > n1 ? end : n1) - n1));
-            strip_tile_any(a, panel + (s - p) * nb, r0, mr, c0, nr, last, f);
-        }
+                           gemm_chunk k, const strip_format f) {
+    const Py_ssize_t c0 = n0 + STRIP_W * k.s, end = c0 + STRIP_W * k.nr;
+    const int last = (int)(STRIP_W - ((end > n1 ? end : n1) - n1));
+    for (Py_ssize_t r0 = k.r0; r0 < k.r1; r0 += TILE_MR) {
+        const int mr = k.r1 - r0 < TILE_MR ? (int)(k.r1 - r0) : TILE_MR;
+        strip_tile_any(a, panel, r0, mr, c0, k.nr, last, k.b0, k.b1, f);
     }
 }
 
@@ -382,31 +394,31 @@ NS_INLINE void panel_tiles(const ns_qmm *a, const strip *panel, Py_ssize_t n0, P
 #define OUT_OF_LINE_TILES(name, strips)                                                            \
     static NS_KERNEL __attribute__((noinline)) void name(const ns_qmm *a, const strip *panel,      \
                                                          Py_ssize_t n0, Py_ssize_t n1,            \
-                                                         Py_ssize_t p, Py_ssize_t pe) {           \
-        panel_tiles(a, panel, n0, n1, p, pe, strips);                                              \
+                                                         gemm_chunk k) {                          \
+        panel_tiles(a, panel, n0, n1, k, strips);                                                  \
     }
 
-/* Many rows: panels of whole strips (every block), unpacked once into a buffer of at most
- * NS_PANEL_BYTES that stays in L2 while every tile of TILE_MR rows passes over it, TILE_NR strips
- * at a time. Without memory for the buffer, tiles of rows unpack as the GEMV does (the same values
- * and operations, so the same results). */
+/* Many rows: W unpacked GEMM_BLOCKS blocks of TILE_NR strips at a time into a panel that stays in
+ * L1 (29 KiB on AVX-512), which every tile of TILE_MR rows of a band of GEMM_BAND rows passes
+ * over, the band's sums kept in out between chunks (their activations, 256 KiB, and sums in
+ * L2). A panel of whole strips (every block) in L2, as before 2026-12-05, was read from L2 by
+ * every tile of rows: on an AMD EPYC its tiles ran at 60% of vpdpwssd's peak. */
 NS_INLINE void strip_gemm(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1, const strip_format f) {
     const Py_ssize_t nb = a->K / QK, strips = (n1 - n0 + STRIP_W - 1) / STRIP_W;
-    Py_ssize_t width = (Py_ssize_t)(NS_PANEL_BYTES / ((size_t)nb * sizeof(strip)));
-    width = width / TILE_NR * TILE_NR;
-    width = width < TILE_NR ? TILE_NR : width < strips ? width : strips; /* strips a panel */
-    strip *panel = aligned_alloc(64, (size_t)(width * nb) * sizeof(strip));
-    for (Py_ssize_t r0 = 0; !panel && r0 < a->M; r0 += TILE_MR)
-        strip_gemv(a, r0, a->M - r0 < TILE_MR ? (int)(a->M - r0) : TILE_MR, n0, n1, f);
-    for (Py_ssize_t p = 0; panel && p < strips; p += width) {
-        const Py_ssize_t pe = p + width < strips ? p + width : strips;
-        unpack_panel(panel, a, n0, n1, p, pe, f);
-        if (f.tiles)
-            f.tiles(a, panel, n0, n1, p, pe);
-        else
-            panel_tiles(a, panel, n0, n1, p, pe, f);
+    _Alignas(64) strip panel[TILE_NR * GEMM_BLOCKS];
+    for (Py_ssize_t s = 0; s < strips; s += TILE_NR) {
+        const int nr = strips - s < TILE_NR ? (int)(strips - s) : TILE_NR;
+        for (Py_ssize_t r0 = 0; r0 < a->M; r0 += GEMM_BAND)
+            for (Py_ssize_t b0 = 0; b0 < nb; b0 += GEMM_BLOCKS) {
+                const gemm_chunk k = {s, r0, r0 + GEMM_BAND < a->M ? r0 + GEMM_BAND : a->M, b0,
+                                      b0 + GEMM_BLOCKS < nb ? b0 + GEMM_BLOCKS : nb, nr};
+                unpack_chunk(panel, a, n0, n1, k, f);
+                if (f.tiles)
+                    f.tiles(a, panel, n0, n1, k);
+                else
+                    panel_tiles(a, panel, n0, n1, k, f);
+            }
     }
-    free(panel);
 }
 
 #ifdef NS_AMX
