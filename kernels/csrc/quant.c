@@ -172,38 +172,49 @@ static float quantize_block(int16_t *v, const float *x) {
 
 /* Row m of x, quantized: each block's values in `order` (value order[j] at j), or in order when
  * it is NULL, its dx and sx, and its split into hi and lo where xq has them (tiles, or hi and
- * lo in order). */
+ * lo in order). xq's pointers are read once into locals, and the bytes written through restrict
+ * pointers: stores of bytes may alias anything, and GCC reloaded xq's fields at every byte, in a
+ * loop it left scalar. */
 void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py_ssize_t m) {
-    for (Py_ssize_t b = 0; b < xq->blocks; b++) {
+    const Py_ssize_t blocks = xq->blocks;
+    int8_t *const tiles = xq->tiles, *const his = xq->hi;
+    uint8_t *const los = xq->lo;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        const Py_ssize_t at = m * blocks + b;
         int16_t v[QK];
-        const float dx = quantize_block(v, x + (m * xq->blocks + b) * QK);
-        int16_t *q = xq->q + (m * xq->blocks + b) * QK;
+        const float dx = quantize_block(v, x + at * QK);
+        int16_t *q = xq->q + at * QK;
         int32_t sum = 0;
         for (int j = 0; j < QK; j++) {
             q[j] = order ? v[order[j]] : v[j];
             sum += v[j];
         }
-        xq->dx[m * xq->blocks + b] = dx;
-        xq->sx[m * xq->blocks + b] = dx * (float)sum;
-        int8_t *hi = xq->tiles ? xq->tiles + ((m / NS_AMX_ROWS * xq->blocks + b) * 2 * NS_AMX_ROWS +
-                                              m % NS_AMX_ROWS) * QK
-                               : NULL;
-        for (int j = 0; hi && j < QK; j++) {
-            hi[j] = (int8_t)(q[j] >> 8);
-            hi[NS_AMX_ROWS * QK + j] = (int8_t)(q[j] & 255); /* lo, as the same bits */
+        xq->dx[at] = dx;
+        xq->sx[at] = dx * (float)sum;
+        if (tiles) {
+            int8_t *hi = tiles + ((m / NS_AMX_ROWS * blocks + b) * 2 * NS_AMX_ROWS +
+                                  m % NS_AMX_ROWS) * QK;
+            for (int j = 0; j < QK; j++) {
+                hi[j] = (int8_t)(q[j] >> 8);
+                hi[NS_AMX_ROWS * QK + j] = (int8_t)(q[j] & 255); /* lo, as the same bits */
+            }
         }
-        for (int j = 0; xq->hi && j < QK; j++) {
-            xq->hi[(m * xq->blocks + b) * QK + j] = (int8_t)(v[j] >> 8);
-            xq->lo[(m * xq->blocks + b) * QK + j] = (uint8_t)(v[j] & 255);
+        if (!his) continue;
+        int8_t *restrict hi = his + at * QK;
+        uint8_t *restrict lo = los + at * QK;
+        for (int j = 0; j < QK; j++) {
+            hi[j] = (int8_t)(v[j] >> 8);
+            lo[j] = (uint8_t)(v[j] & 255);
         }
-        for (int h = 0; xq->hi && h < 2; h++) {
-            int32_t s16 = 0;
-            for (int j = 16 * h; j < 16 * h + 16; j++) s16 += v[j];
-            xq->sum16[(m * xq->blocks + b) * 2 + h] = s16;
+        int32_t hs = 0, s0 = 0, s1 = 0;
+        for (int j = 0; j < QK / 2; j++) {
+            s0 += v[j];
+            s1 += v[QK / 2 + j];
+            hs += (v[j] >> 8) + (v[QK / 2 + j] >> 8);
         }
-        int32_t hs = 0;
-        for (int j = 0; xq->hi && j < QK; j++) hs += v[j] >> 8;
-        if (xq->hi) xq->hisum[m * xq->blocks + b] = hs;
+        xq->sum16[at * 2] = s0;
+        xq->sum16[at * 2 + 1] = s1;
+        xq->hisum[at] = hs;
     }
 }
 
