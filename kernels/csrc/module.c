@@ -1,7 +1,7 @@
 /* The module nanoserve.kernels._C: its method table and constants. The entry points live beside
  * their kernels (paged_attention.c, prefill_attention.c, linear.c, norm_rope.c, decode_step.c,
- * quant.c, quant_experts.c, moe.c, quant_convert.c, copy_rows.c); each takes its arguments by keyword
- * (kernels/python/c_backend.py names every one), pointers as ints. */
+ * quant.c, quant_experts.c, moe.c, quant_convert.c, copy_rows.c, argmax.c); each takes its
+ * arguments by keyword (kernels/python/c_backend.py names every one), pointers as ints. */
 #include "quant.h"
 
 #include <omp.h>
@@ -100,6 +100,9 @@ static PyMethodDef methods[] = {
      "bytes, each head's rotary halves put back where heads > 0 (llama.cpp's Q and K rows), into "
      "the r16 layout of a K-quant of repack bytes a block where repack > 0, all with the GIL "
      "released; pointers as ints."},
+    {"argmax_rows", KW_FUNCTION(nanoserve_py_argmax_rows), METH_VARARGS | METH_KEYWORDS,
+     "argmax_rows(out, x, rows, n): out [rows] int64 = torch.argmax of each row of x [rows, n] "
+     "float32 (the first largest value; the first NaN where a row has one); pointers as ints."},
     {"set_quant_isa", KW_FUNCTION(nanoserve_py_set_quant_isa), METH_VARARGS | METH_KEYWORDS,
      "set_quant_isa(isa, vnni=True, amx=True): the quantized kernels' path, 'portable', 'avx2' "
      "or 'avx512', capped to what the CPU runs, with AMX-INT8 GEMMs on the VNNI path if amx; "

@@ -441,6 +441,7 @@ PyObject *nanoserve_py_quant_experts(PyObject *self, PyObject *args, PyObject *k
 PyObject *nanoserve_py_moe_route(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_clamped_swiglu(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_copy_rows(PyObject *self, PyObject *args, PyObject *kwargs);
+PyObject *nanoserve_py_argmax_rows(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_quantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_dequantize(PyObject *self, PyObject *args, PyObject *kwargs);
 PyObject *nanoserve_py_set_quant_isa(PyObject *self, PyObject *args, PyObject *kwargs);

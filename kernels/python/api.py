@@ -307,6 +307,23 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return out
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax of each row of logits [rows, vocab], as an int64 [rows] tensor: the first
+    largest value, or the first NaN where a row has one; any layout. CPU float32 goes to the C
+    kernel (a greedy step's token; torch's reads a row one value at a time), anything else to
+    torch."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] == 0:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a tensor [rows, vocab] with vocab > 0, got {shape}")
+    cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if not cpu or not c_backend.enabled():
+        return logits.argmax(dim=-1)
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    c_backend.argmax_rows(logits, out)
+    return out
+
+
 def _cpu_ops(x: torch.Tensor) -> ModuleType:
     """The C module for CPU float32/bfloat16 tensors; otherwise torch."""
     if x.device.type == "cpu" and x.dtype in SMALL_LINEAR_DTYPES and c_backend.enabled():

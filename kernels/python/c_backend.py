@@ -302,6 +302,11 @@ def copy_rows(jobs: list[tuple[int, ...]]) -> None:
     _C.copy_rows(jobs=jobs)
 
 
+def argmax_rows(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out [rows] int64 = torch.argmax of each row of x [rows, n] (float32, contiguous)."""
+    _C.argmax_rows(out=out.data_ptr(), x=x.data_ptr(), rows=x.shape[0], n=x.shape[1])
+
+
 def quantize(weight: torch.Tensor, qtype: str, out: torch.Tensor) -> None:
     _C.quantize(
         out=out.data_ptr(),

@@ -14,6 +14,7 @@ from functools import cached_property
 
 import torch
 
+from nanoserve import kernels
 from nanoserve.engine.structured import StructuredOutputsParams
 from nanoserve.engine.thinking import ThinkingParams
 
@@ -187,7 +188,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
     come back to the host once, together with the logprobs asked for."""
     raw = logits
     logits = _apply_penalties_and_bans(logits, rows)
-    tokens = logits.argmax(dim=-1)  # the greedy rows' answer; sampled rows are overwritten
+    tokens = kernels.argmax(logits)  # the greedy rows' answer; sampled rows are overwritten
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy and r.forced is None]
     if sampled:
         probs = _filtered_probs(logits[sampled], [rows[i].params for i in sampled])
@@ -198,8 +199,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[Sample]:
         if r.forced is not None:
             tokens[i] = r.forced
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    ks = [rows[i].params.logprobs or 0 for i in wanted]
-    by_row = dict(zip(wanted, token_logprobs(raw[wanted], tokens[wanted], ks), strict=True))
+    by_row = {}
+    if wanted:
+        ks = [rows[i].params.logprobs or 0 for i in wanted]
+        by_row = dict(zip(wanted, token_logprobs(raw[wanted], tokens[wanted], ks), strict=True))
     return [Sample(t, by_row.get(i)) for i, t in enumerate(tokens.tolist())]
 
 
