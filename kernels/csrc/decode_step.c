@@ -149,22 +149,32 @@ typedef struct {
     float *logits;
 } step_scratch;
 
+/* Matrix m (N x K; part i of it where m has parts) as the one a matmul multiplies by next: its
+ * rows are asked for ahead where they are in blocks. */
+static ns_next first_rows(const step_tensor *m, int i, Py_ssize_t N, Py_ssize_t K) {
+    if (m->parts) return (ns_next){m->part[i].data, m->part[i].rows, K, m->part[i].format};
+    return (ns_next){m->format ? m->data : NULL, N, K, m->format};
+}
+
 /* out [rows, N] = x [rows, K] times the transpose of matrix m: the float GEMV (NS_GEMV_ROWS rows
  * at a time: a mixture of experts' float router beside blocks takes up to NS_STEP_ROWS rows so,
  * as model/linear.py's Linear does with its gemv_rows), or the quantized matmul where m is in GGUF
  * blocks. */
 static int matmul(const step_args *s, const step_tensor *m, void *out, const void *x, Py_ssize_t N,
-                  Py_ssize_t K) {
+                  Py_ssize_t K, ns_next then) {
     int rc = 0;
     Py_ssize_t n0 = 0; /* a part's first column of out */
     for (int i = 0; i < m->parts; i++) {
-        rc |= nanoserve_quant_matmul((float *)out + n0, N, x, m->part[i].data, s->rows,
-                                     m->part[i].rows, K, m->part[i].format, s->threads);
+        const ns_next after = i + 1 < m->parts ? first_rows(m, i + 1, 0, K) : then;
+        rc |= nanoserve_quant_matmul_then((float *)out + n0, N, x, m->part[i].data, s->rows,
+                                          m->part[i].rows, K, m->part[i].format, s->threads,
+                                          &after);
         n0 += m->part[i].rows;
     }
     if (m->parts) return rc;
     if (m->format)
-        return nanoserve_quant_matmul(out, N, x, m->data, s->rows, N, K, m->format, s->threads);
+        return nanoserve_quant_matmul_then(out, N, x, m->data, s->rows, N, K, m->format,
+                                           s->threads, &then);
     const size_t es = ns_dtype_size(s->dtype);
     for (Py_ssize_t r = 0; r < s->rows; r += NS_GEMV_ROWS) {
         const Py_ssize_t n = s->rows - r < NS_GEMV_ROWS ? s->rows - r : NS_GEMV_ROWS;
@@ -254,7 +264,7 @@ static int attention_half(const step_args *s, const step_scratch *b, const layer
     const Py_ssize_t qkv_width = q_width + 2 * s->kv_heads * D;
     int rc = 0;
     nanoserve_rms_norm_rows(b->x, s->h, w->input_norm.data, M, H, s->eps, s->dtype, s->threads);
-    rc |= matmul(s, &w->qkv, b->qkv, b->x, qkv_width, H);
+    rc |= matmul(s, &w->qkv, b->qkv, b->x, qkv_width, H, first_rows(&w->o, 0, H, q_width));
     add_bias(b->qkv, &w->qkv_bias, M, qkv_width, s->dtype);
     norm_heads(s, b->qkv, w);
     decode_args a = s->attn;
@@ -271,22 +281,28 @@ static int attention_half(const step_args *s, const step_scratch *b, const layer
     a.k = c.k_cache;
     a.v = c.v_cache;
     rc |= nanoserve_decode_attention(&a, s->threads);
-    rc |= matmul(s, &w->o, b->o, b->attn, H, q_width);
+    const ns_next mlp = w->router.data ? first_rows(&w->router, 0, s->experts, H)
+                                       : first_rows(&w->gate_up, 0, 2 * s->intermediate, H);
+    rc |= matmul(s, &w->o, b->o, b->attn, H, q_width, mlp);
     add_bias(b->o, &w->o_bias, M, H, s->dtype);
     norm_out(s, b->o, &w->attn_out_norm);
     add_into(s->h, b->o, M * H, s->dtype);
     return rc;
 }
 
-/* The MLP half of layer w: h += down(f(gate) * up) of gate_up(post_norm(h)), f silu or GELU-tanh. */
-static int mlp_half(const step_args *s, const step_scratch *b, const layer_weights *w) {
+/* The MLP half of layer w: h += down(f(gate) * up) of gate_up(post_norm(h)), f silu or GELU-tanh;
+ * the next layer's weights (NULL after the last) are the ones read next. */
+static int mlp_half(const step_args *s, const step_scratch *b, const layer_weights *w,
+                    const layer_weights *next) {
     const Py_ssize_t M = s->rows, H = s->hidden, I = s->intermediate;
+    const Py_ssize_t qkv_width = (s->heads + 2 * s->kv_heads) * s->head_dim;
     int rc = 0;
     nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
-    rc |= matmul(s, &w->gate_up, b->gate_up, b->x, 2 * I, H);
+    rc |= matmul(s, &w->gate_up, b->gate_up, b->x, 2 * I, H, first_rows(&w->down, 0, H, I));
     add_bias(b->gate_up, &w->gate_up_bias, M, 2 * I, s->dtype);
     nanoserve_gated_rows(b->act, b->gate_up, M, I, s->dtype, s->gelu, s->threads);
-    rc |= matmul(s, &w->down, b->o, b->act, H, I);
+    rc |= matmul(s, &w->down, b->o, b->act, H, I,
+                 next ? first_rows(&next->qkv, 0, qkv_width, H) : (ns_next){0});
     add_bias(b->o, &w->down_bias, M, H, s->dtype);
     norm_out(s, b->o, &w->mlp_out_norm);
     add_into(s->h, b->o, M * H, s->dtype);
@@ -298,7 +314,7 @@ static int mlp_half(const step_args *s, const step_scratch *b, const layer_weigh
 static int moe_half(const step_args *s, const step_scratch *b, const layer_weights *w) {
     const Py_ssize_t M = s->rows, H = s->hidden;
     nanoserve_rms_norm_rows(b->x, s->h, w->post_norm.data, M, H, s->eps, s->dtype, s->threads);
-    int rc = matmul(s, &w->router, b->logits, b->x, s->experts, H);
+    int rc = matmul(s, &w->router, b->logits, b->x, s->experts, H, (ns_next){0});
     add_bias(b->logits, &w->router_bias, M, s->experts, NS_F32);
     const moe_weights m = {w->experts_gate.data, w->experts_up.data, w->experts_down.data,
                            w->experts_gate.format, w->experts_up.format, w->experts_down.format,
@@ -319,8 +335,9 @@ static int run_layers(const step_args *s) {
     int rc = 0;
     for (Py_ssize_t l = 0; l < s->table->num_layers && rc == 0; l++) {
         const layer_weights *w = &s->table->layers[l];
+        const layer_weights *next = l + 1 < s->table->num_layers ? w + 1 : NULL;
         rc |= attention_half(s, &b, w, l);
-        rc |= w->router.data ? moe_half(s, &b, w) : mlp_half(s, &b, w);
+        rc |= w->router.data ? moe_half(s, &b, w) : mlp_half(s, &b, w, next);
     }
     free(base);
     return rc;

@@ -368,6 +368,17 @@ int nanoserve_gemv(void *out, const void *x, const void *w, Py_ssize_t M, Py_ssi
  * the thread count). 0, or -1 when out of memory. */
 int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const void *w, Py_ssize_t M,
                            Py_ssize_t N, Py_ssize_t K, int qtype, int num_threads);
+/* The matrix of GGUF blocks a caller multiplies by next (N x K of GGML type qtype at w; w NULL:
+ * none, or not in blocks): each thread's streaming GEMV asks for its share's first rows ahead. */
+typedef struct {
+    const void *w;
+    Py_ssize_t N, K;
+    int qtype;
+} ns_next;
+/* nanoserve_quant_matmul, then the matrix that comes next (NULL: none). */
+int nanoserve_quant_matmul_then(float *out, Py_ssize_t ldo, const float *x, const void *w,
+                                Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, int qtype,
+                                int num_threads, const ns_next *then);
 /* quant_experts.c: outs[i] [P, N] float32 (row p at outs[i] + p ldo) = x[rows[p]] (x[p] where rows
  * is NULL) times the transpose of expert e's matrix of ws[i] (experts [E * N, K] of GGUF blocks
  * of GGML type qtype, expert after expert), for each group (e, start, count) of groups [G, 3]

@@ -237,8 +237,23 @@ int ns_quant_path(void) {
     return isa_in_use + vnni_in_use + amx_in_use; /* NS_AVX512 + 1 is NS_AVX512_VNNI, + 2 NS_AMX */
 }
 
+/* Where thread t of nt starts reading the next matrix (NULL: none follows in blocks). */
+static const char *next_share(const ns_next *then, Py_ssize_t t, Py_ssize_t nt) {
+    if (!then || !then->w) return NULL;
+    const ns_block_format *g = ns_block_format_of(then->qtype);
+    if (!g) return NULL;
+    const size_t row_bytes = (size_t)(then->K / ns_block_values(g)) * g->block_bytes;
+    return (const char *)then->w + (size_t)ns_share(then->N, t, nt, g) * row_bytes;
+}
+
 int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const void *w, Py_ssize_t M,
                            Py_ssize_t N, Py_ssize_t K, int qtype, int num_threads) {
+    return nanoserve_quant_matmul_then(out, ldo, x, w, M, N, K, qtype, num_threads, NULL);
+}
+
+int nanoserve_quant_matmul_then(float *out, Py_ssize_t ldo, const float *x, const void *w,
+                                Py_ssize_t M, Py_ssize_t N, Py_ssize_t K, int qtype,
+                                int num_threads, const ns_next *then) {
     const ns_block_format *f = ns_block_format_of(qtype);
     const int path = ns_quant_path();
     const uint8_t *order = path == NS_PORTABLE ? NULL : f->pairs;
@@ -257,10 +272,14 @@ int nanoserve_quant_matmul(float *out, Py_ssize_t ldo, const float *x, const voi
 #pragma omp for schedule(static)
             for (Py_ssize_t m = 0; m < M; m++) ns_quantize_x_row(&xq, order, x, m);
         }
-        /* A contiguous range of output features per thread; the split never changes a result. */
+        /* A contiguous range of output features per thread; the split never changes a result.
+         * Past its range the thread's GEMV asks ahead for its share of the next matrix. */
         const Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const Py_ssize_t n0 = ns_share(N, t, nt, f), n1 = ns_share(N, t + 1, nt, f);
-        if (n0 < n1) kernel(&a, n0, n1);
+        ns_qmm mine = a;
+        mine.N = n1;
+        mine.then = next_share(then, t, nt);
+        if (n0 < n1) kernel(&mine, n0, n1);
     }
     free(base);
     return 0;

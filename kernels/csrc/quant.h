@@ -72,7 +72,8 @@ enum { NS_AMX_ROWS = 16 };
 
 /* One matmul for the kernels: out [M, N] float32 = x W^T with W [N, K] in blocks, row_bytes a
  * row; row m of out starts at out + m ldo (ldo >= N: a matrix of several parts in different
- * formats writes each part's columns of one output). */
+ * formats writes each part's columns of one output). A kernel reads N only to ask for the rows
+ * ahead (ahead_of): a thread's copy holds the end of its share there. */
 typedef struct {
     float *out;
     const char *w;
@@ -80,6 +81,10 @@ typedef struct {
     Py_ssize_t M, N, K, ldo;
     size_t row_bytes;
     const float *xf; /* x itself [M, K], for a format whose activations stay float (float_x) */
+    /* The rows of W (row_bytes each) the thread reads after W's last row: the streaming GEMV asks
+     * for them ahead while it reads that row's strip (quant_experts.c's next matrix), so that the
+     * jump to another matrix does not stall on memory; NULL where none follows. */
+    const char *then;
 } ns_qmm;
 
 /* A kernel: out[:, n0:n1] of a matmul. Each out[m, n] is the same operations on row m of x and

@@ -51,6 +51,13 @@ static ns_qmm group_matmul(const ns_xq *xq, ns_xq *view, const float *xf, const 
     return a;
 }
 
+/* Where unit u's rows of W start: its expert's matrix of weight i, from its chunk's first row. */
+static const char *unit_rows(const char *const ws[], const int64_t *groups, Py_ssize_t u, int nw,
+                             Py_ssize_t chunks, Py_ssize_t N, size_t row_bytes) {
+    const Py_ssize_t g = u / (nw * chunks), i = u / chunks % nw, c = u % chunks;
+    return ws[i] + ((size_t)groups[3 * g] * (size_t)N + (size_t)(c * CHUNK)) * row_bytes;
+}
+
 int nanoserve_quant_experts(float *const outs[], Py_ssize_t ldo, const char *const ws[], int nw,
                             const float *x, Py_ssize_t T, const int64_t *rows, Py_ssize_t P,
                             const int64_t *groups, Py_ssize_t G, Py_ssize_t N, Py_ssize_t K,
@@ -106,11 +113,14 @@ int nanoserve_quant_experts(float *const outs[], Py_ssize_t ldo, const char *con
         /* A contiguous range of units per thread: (group, weight, chunk), chunk fastest. */
         const Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const float *xs = f->float_x ? (rows ? xf : x) : NULL;
-        for (Py_ssize_t u = units * t / nt; u < units * (t + 1) / nt; u++) {
+        const Py_ssize_t end = units * (t + 1) / nt;
+        for (Py_ssize_t u = units * t / nt; u < end; u++) {
             const Py_ssize_t g = u / (nw * chunks), i = u / chunks % nw, c = u % chunks;
             ns_xq view;
-            const ns_qmm a = group_matmul(&xq, &view, xs, ws[i], outs[i], ldo, groups + 3 * g, N,
-                                          K, row_bytes);
+            ns_qmm a = group_matmul(&xq, &view, xs, ws[i], outs[i], ldo, groups + 3 * g, N, K,
+                                    row_bytes);
+            if (u + 1 < end) /* the next unit's rows: another matrix's first after c's last */
+                a.then = unit_rows(ws, groups, u + 1, nw, chunks, N, row_bytes);
             const Py_ssize_t n1 = (c + 1) * CHUNK < N ? (c + 1) * CHUNK : N;
             if (a.M > 0) kernel(&a, c * CHUNK, n1);
         }

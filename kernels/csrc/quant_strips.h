@@ -185,13 +185,14 @@ typedef struct {
     int into_l1;
 } ahead;
 
-/* The rows after the nr strips from column c0. */
+/* The rows after the nr strips from column c0; past W's last row, as many of a->then's. */
 NS_INLINE ahead ahead_of(const ns_qmm *a, Py_ssize_t c0, int nr) {
     const Py_ssize_t after = c0 + STRIP_W * nr;
-    const Py_ssize_t rows = a->N - after < STRIP_W * nr ? a->N - after : STRIP_W * nr;
+    Py_ssize_t rows = a->N - after < STRIP_W * nr ? a->N - after : STRIP_W * nr;
+    const char *next = a->w + (size_t)(rows > 0 ? after : 0) * a->row_bytes;
+    if (rows <= 0 && a->then) rows = STRIP_W * nr, next = a->then;
     const Py_ssize_t lines = rows > 0 ? (Py_ssize_t)((size_t)rows * a->row_bytes / 64) : 0;
-    return (ahead){a->w + (size_t)(rows > 0 ? after : 0) * a->row_bytes, lines,
-                   lines * 64 <= NS_PREFETCH_L1_BYTES};
+    return (ahead){next, lines, lines * 64 <= NS_PREFETCH_L1_BYTES};
 }
 
 /* Block b's share (of nb) of the lines ahead. */
