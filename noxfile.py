@@ -17,6 +17,7 @@ CPU_DEPENDENT_TESTS = [
     "tests/test_linear.py",
     "tests/test_kernels.py",
     "tests/test_attention_isa.py",
+    "tests/test_argmax.py",
     "tests/test_cpu_step.py",
     "tests/test_oracle.py",
     "tests/test_engine.py",
