@@ -78,10 +78,24 @@ NS_INLINE void byte_tile(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_
     for (int r = 0; r < mr; r++) acc[r] = fv_zero();
     strip8 s[QK_K / QK];
     const ahead next = ahead_of(a, c0, 1);
-    for (Py_ssize_t b = 0; b < nb; b++) {
-        prefetch_share(next, b, nb);
-        if (b % subs == 0) unpack_bytes_block(s, a, c0, b, last, f);
-        byte_step(acc, s + b % subs, a->x, r0, mr, b, f);
+    /* A super-block's sub-blocks as a loop unrolled with constant indices into s: Q4_K's one-row
+     * GEMV 5-21% faster on an AMD EPYC (bench/ab_quant.py's calls in turn); Q6_K's took 12-18%
+     * longer so at 4 and 8 rows and keeps the loop over b. */
+    if (!f.halves) {
+        for (Py_ssize_t b0 = 0; b0 < nb; b0 += subs) {
+            unpack_bytes_block(s, a, c0, b0, last, f);
+#pragma GCC unroll 8
+            for (int j = 0; j < subs; j++) {
+                prefetch_share(next, b0 + j, nb);
+                byte_step(acc, s + j, a->x, r0, mr, b0 + j, f);
+            }
+        }
+    } else {
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            prefetch_share(next, b, nb);
+            if (b % subs == 0) unpack_bytes_block(s, a, c0, b, last, f);
+            byte_step(acc, s + b % subs, a->x, r0, mr, b, f);
+        }
     }
     for (int r = 0; r < mr; r++) store_cols(a->out + (r0 + r) * a->ldo + c0, last, acc[r]);
 }
