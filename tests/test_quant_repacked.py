@@ -1,6 +1,6 @@
-"""The K-quants repacked at load (kernels/csrc/quant_r16.c): each group of 16 rows' blocks
-interleaved 4 bytes at a time, so that the SIMD kernels load what they used to transpose. The same
-bytes, moved; every reader gives what it gives on the file's layout, bit for bit."""
+"""The K-quants and MXFP4 repacked at load (kernels/csrc/quant_r16.c): each group of 16 rows'
+blocks interleaved 4 bytes at a time, so that the SIMD kernels load what they used to transpose.
+The same bytes, moved; every reader gives what it gives on the file's layout, bit for bit."""
 
 import numpy as np
 import pytest
@@ -10,29 +10,43 @@ from test_quant_kernels import KQUANTS, ROWS, _kquant_weight, isa  # noqa: F401 
 from nanoserve import kernels
 from nanoserve.kernels import QuantizedWeight, c_backend, quant
 
+REPACKABLE = [*KQUANTS, "mxfp4"]
 
-@pytest.mark.parametrize("qtype", KQUANTS)
+
+def _weight(qtype: str, n: int, k: int, seed: int) -> QuantizedWeight:
+    """Random valid blocks: the K-quants' random bytes under a model's scales, MXFP4 quantized
+    from normal values (its one-byte scales stay finite)."""
+    if qtype in KQUANTS:
+        return _kquant_weight(qtype, n, k, seed)
+    g = torch.Generator().manual_seed(seed)
+    return kernels.quantize(torch.randn(n, k, generator=g) * 0.05, qtype)
+
+
+@pytest.mark.parametrize("qtype", REPACKABLE)
 def test_repacking_moves_the_bytes_and_dequantize_reads_them_back(qtype):
-    w = _kquant_weight(qtype, 48, 512, seed=1)
+    w = _weight(qtype, 48, 512, seed=1)
     r = quant.repack(w)
     assert r.repacked and r.kernel_qtype == f"{qtype}_r16" and r.shape == w.shape
     assert not torch.equal(r.data, w.data)
     assert torch.equal(r.data.flatten().sort().values, w.data.flatten().sort().values)
-    # Row 17's first block: its first 4 bytes lead group 1's block, row 1 of it.
-    group = r.data[16:32].flatten()
-    assert torch.equal(group[4:8], w.data[17, :4])
+    # Row 17's first block: its first 4 bytes (MXFP4's after its scale byte) lead group 1's
+    # block, row 1 of it; the rows' scale bytes follow the words there.
+    group, lead = r.data[16:32].flatten(), int(qtype == "mxfp4")
+    assert torch.equal(group[4:8], w.data[17, lead : lead + 4])
+    if qtype == "mxfp4":
+        assert group[256 + 1] == w.data[17, 0]
     assert torch.equal(kernels.dequantize(r), kernels.dequantize(w))
     rows = torch.tensor([47, 0, 17, 17, 31])
     assert torch.equal(kernels.dequantize(r, rows=rows), kernels.dequantize(w, rows=rows))
     assert quant.repack(r) is r
 
 
-@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("qtype", REPACKABLE)
 def test_the_repacked_matmul_is_bitwise_the_files(isa, qtype):  # noqa: F811
     """Every path (the portable kernel, AVX2's half groups, AVX-512, the VNNI byte GEMV, AMX's
     GEMM where the CPU has it), every M from the GEMV to the GEMM, 1 to 3 threads (their shares
     fall on groups of 16)."""
-    w = _kquant_weight(qtype, 16 * 37, 512, seed=2)
+    w = _weight(qtype, 16 * 37, 512, seed=2)
     r = quant.repack(w)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 512, generator=g)
@@ -48,11 +62,11 @@ def test_the_repacked_matmul_is_bitwise_the_files(isa, qtype):  # noqa: F811
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("qtype", KQUANTS)
+@pytest.mark.parametrize("qtype", REPACKABLE)
 def test_repacked_experts_are_bitwise_the_files(isa, qtype):  # noqa: F811
     """expert_linear over 4 experts of 32 rows each, their groups of pairs from 1 to 20 rows."""
     experts, n, k = 4, 32, 512
-    gate, up = (_kquant_weight(qtype, experts * n, k, seed=s) for s in (4, 5))
+    gate, up = (_weight(qtype, experts * n, k, seed=s) for s in (4, 5))
     g = torch.Generator().manual_seed(6)
     x = torch.randn(40, k, generator=g)
     groups = torch.tensor([[0, 0, 1], [2, 1, 20], [3, 21, 3]], dtype=torch.int64)
@@ -78,6 +92,8 @@ def test_what_cannot_be_repacked_is_refused_by_name():
     out = torch.empty_like(w.data)
     with pytest.raises(ValueError, match="repacked in blocks of 144"):
         c_backend.copy_rows([(out.data_ptr(), w.data.data_ptr(), 24, w.row_bytes, 0, 144)])
+    with pytest.raises(ValueError, match="repacked in blocks of 19"):  # 4 w + 3: no layout
+        c_backend.copy_rows([(out.data_ptr(), w.data.data_ptr(), 16, 19 * 4, 0, 19)])
     x, y = torch.randn(1, 256), torch.empty(1, 24)
     with pytest.raises(ValueError, match="out of range"):  # the C module checks it too
         c_backend.quant_linear(x, w.data, "q4_k_r16", y)

@@ -5,8 +5,8 @@
  * A job copies `rows` rows of `row_bytes` bytes; with `heads` > 0 it also puts back each head's
  * rotary halves, which llama.cpp's converter interleaved row-wise: destination row (h, j, i) of
  * [heads, 2, rows / heads / 2] is source row (h, i, j) of [heads, rows / heads / 2, 2]. With
- * `repack` > 0 (a K-quant's block bytes) the rows land in the r16 layout (quant_r16.c), the heads'
- * halves put back first (through a buffer).
+ * `repack` > 0 (a K-quant's or MXFP4's block bytes) the rows land in the r16 layout (quant_r16.c),
+ * the heads' halves put back first (through a buffer).
  */
 #include "nanoserve.h"
 #include "quant.h"
@@ -98,12 +98,12 @@ PyObject *nanoserve_py_copy_rows(PyObject *self, PyObject *args, PyObject *kwarg
         j->src = (const char *)(uintptr_t)src;
         if (j->rows < 0 || j->row_bytes < 0 || j->heads < 0 ||
             (j->heads && j->rows % (2 * j->heads)) ||
-            (j->repack && (j->repack < 4 || j->repack % 2 || j->repack > NS_MAX_BLOCK_BYTES ||
+            (j->repack && (j->repack < 4 || j->repack % 4 == 3 || j->repack > NS_MAX_BLOCK_BYTES ||
                            j->row_bytes % j->repack || j->rows % NS_R16))) {
             PyErr_Format(PyExc_ValueError,
                          "copy_rows: job %zd has %zd rows of %zd bytes in %zd heads (the rows "
                          "must split into 2 halves a head), repacked in blocks of %zd (rows a "
-                         "multiple of 16, of blocks of even bytes)",
+                         "multiple of 16, of blocks of 4 w, 4 w + 1 or 4 w + 2 bytes)",
                          i, j->rows, j->row_bytes, j->heads, j->repack);
             free(jobs);
             Py_DECREF(seq);

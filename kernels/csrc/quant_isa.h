@@ -72,6 +72,11 @@ NS_INLINE ivec iv_max32(ivec a, ivec b) { return ISA(_mm512_max_epi32, _mm256_ma
 NS_INLINE ivec iv_table16(const void *t) {
     return ISA(_mm512_broadcast_i32x4, _mm256_broadcastsi128_si256)(_mm_loadu_si128(t));
 }
+/* The STRIP_W bytes at p, each zero-extended into its int32 lane. */
+NS_INLINE ivec iv_bytes32(const char *p) {
+    return ISA(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)),
+               _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 /* Each byte of v (0..15) looked up in table (iv_table16's). */
 NS_INLINE ivec iv_lookup8(ivec table, ivec v) {
     return ISA(_mm512_shuffle_epi8, _mm256_shuffle_epi8)(table, v);

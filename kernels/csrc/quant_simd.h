@@ -95,18 +95,27 @@ static NS_KERNEL void q4_1_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
 
 /* ---------------------------------------------------------------- MXFP4 */
 
+/* Each row's scale e in its int32 lane, and g as transpose_rows gives the codes (lane c: row c's
+ * bytes 4i .. 4i + 3 of qs): from the file's rows (e its block's first byte), or plain loads of
+ * the r16 layout (quant_r16.c: the codes' words first, then the rows' e, one byte each). */
+NS_INLINE ivec mxfp4_src(ivec g[4], strip_src src) {
+    if (src.r16) {
+        src_rows(g, src, 0);
+        return iv_bytes32(src.w + 64 * (size_t)src.words + STRIP_W * src.half);
+    }
+    transpose_rows(g, (const char *)((const block_mxfp4 *)src.w)->qs, src.stride);
+    return iv_and(row_words(src.w, src.stride), iv_set32(255));
+}
+
 /* d = 2^(e - 128) (ns_e8m0_half: e << 23 is 2^(e - 127) as a float's bits, the subnormal 2^-127
  * for e = 0, halved exactly) and the nibble pairs (NS_NIBBLE_PAIRS) looked up in
  * NS_MXFP4_VALUES: each int16's low byte indexes the table, its high byte (0) takes table[0] = 0,
  * and the int8 value is then sign-extended. */
 NS_INLINE void mxfp4_unpack(strip *s, strip_src src) {
-    const char *w = src.w;
-    const size_t stride = src.stride;
-    const ivec e = iv_and(row_words(w, stride), iv_set32(255));
+    ivec g[4];
+    const ivec e = mxfp4_src(g, src);
     s->d = fv_mul(iv_as_fv(iv_max32(iv_shl32(e, 23), iv_set32(0x00400000))), fv_set(0.5f));
     s->m = fv_zero();
-    ivec g[4];
-    transpose_rows(g, (const char *)((const block_mxfp4 *)w)->qs, stride);
     nibble_pairs(s->p, g, 0);
     const ivec table = iv_table16(NS_MXFP4_VALUES);
 #pragma GCC unroll 16
@@ -116,14 +125,11 @@ NS_INLINE void mxfp4_unpack(strip *s, strip_src src) {
 /* As mxfp4_unpack, into bytes (the byte GEMV): each value (NS_MXFP4_VALUES, -12..12) plus 128,
  * as unsigned bytes, as Q8_0's. Byte j of qs holds value j (low nibble) and j + 16 (high). */
 NS_INLINE void mxfp4_unpack_bytes(strip8 *s, strip_src src) {
-    const char *w = src.w;
-    const size_t stride = src.stride;
-    const ivec e = iv_and(row_words(w, stride), iv_set32(255));
+    ivec g[4];
+    const ivec e = mxfp4_src(g, src);
     s->d = fv_mul(iv_as_fv(iv_max32(iv_shl32(e, 23), iv_set32(0x00400000))), fv_set(0.5f));
     s->m = fv_zero();
     s->d2 = fv_zero();
-    ivec g[4];
-    transpose_rows(g, (const char *)((const block_mxfp4 *)w)->qs, stride);
     const ivec table = iv_table16(NS_MXFP4_VALUES), nibbles = iv_set8(15), offset = iv_set8(-128);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
@@ -458,7 +464,7 @@ static NS_KERNEL void q6_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q6_K_STRIPS);
 }
 
-/* ---------------------------------------------------------------- the K-quants repacked (r16) */
+/* ---------------------------------------------------------- the K-quants and MXFP4 repacked (r16) */
 
 /* The strip formats above with r16 set: the same unpackings, reading W through strip_src's loads. */
 NS_INLINE strip_format repacked(strip_format f) {
@@ -476,6 +482,10 @@ static NS_KERNEL void q5_k_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n
 
 static NS_KERNEL void q6_k_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, repacked(Q6_K_STRIPS));
+}
+
+static NS_KERNEL void mxfp4_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, repacked(MXFP4_STRIPS));
 }
 
 /* ---------------------------------------------------------------- F16, BF16 */
@@ -539,5 +549,5 @@ static const ns_matmul_fn SIMD_KERNELS[NS_NUM_GGML_TYPES] = {
     [GGML_Q5_0] = q5_0_simd, [GGML_Q5_1] = q5_1_simd, [GGML_Q4_K] = q4_k_simd,
     [GGML_Q5_K] = q5_k_simd, [GGML_Q6_K] = q6_k_simd, [GGML_F16] = f16_simd,
     [GGML_BF16] = bf16_simd, [GGML_MXFP4] = mxfp4_simd, [NS_Q4_K_R16] = q4_k_r16_simd,
-    [NS_Q5_K_R16] = q5_k_r16_simd, [NS_Q6_K_R16] = q6_k_r16_simd,
+    [NS_Q5_K_R16] = q5_k_r16_simd, [NS_Q6_K_R16] = q6_k_r16_simd, [NS_MXFP4_R16] = mxfp4_r16_simd,
 };

@@ -2,9 +2,9 @@
 
 A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of BLOCK_VALUES[qtype]
 values along K (32, or a K-quant's super-block of 256), never de-quantized to a float matrix (a
-K-quant's rows repacked in groups of 16 for the SIMD kernels where `repacked`: repack()). The
-formats (QUANT_TYPES, BLOCK_BYTES, BLOCK_VALUES) come from the C module's one table of formats
-(kernels/csrc/quant.c); each format's block layout and arithmetic are in its file,
+K-quant's or MXFP4's rows repacked in groups of 16 for the SIMD kernels where `repacked`:
+repack()). The formats (QUANT_TYPES, BLOCK_BYTES, BLOCK_VALUES) come from the C module's one table
+of formats (kernels/csrc/quant.c); each format's block layout and arithmetic are in its file,
 kernels/csrc/quant_<name>.c. quantize() makes one from float weights (the bytes
 gguf.quants.quantize makes; not to the K-quants, NOT_QUANTIZED, whose files llama.cpp's quantizer
 makes), dequantize() is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in
