@@ -177,18 +177,23 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs, kv_caches: KVCaches | None = None) -> torch.Tensor:
         caches = self.kv_caches if kv_caches is None else kv_caches
-        return self.model.logits(self._hidden(inputs, inputs.logits_rows, caches))
+        rows = inputs.logits_rows
+        # Increasing rows, as many as the tokens: every row (a decode step's), in order.
+        every = rows.shape[0] == inputs.input_ids.shape[0]
+        return self.model.logits(self._hidden(inputs, None if every else rows, caches))
 
-    def _hidden(self, inputs: StepInputs, rows: torch.Tensor, kv_caches: KVCaches) -> torch.Tensor:
-        """The final (normed) hidden states [len(rows), hidden] of the given packed rows: every
-        layer in one C call where the CPU step applies, else layer by layer."""
+    def _hidden(
+        self, inputs: StepInputs, rows: torch.Tensor | None, kv_caches: KVCaches
+    ) -> torch.Tensor:
+        """The final (normed) hidden states [len(rows), hidden] of the given packed rows (None:
+        every row): every layer in one C call where the CPU step applies, else layer by layer."""
         m, positions, meta = self.model, inputs.positions, inputs.meta
         h = m.embed(inputs.input_ids)  # [num_tokens, hidden], a copy
         if self.cpu_step is not None and self.cpu_step.applies(positions, meta):
             self.cpu_step(h, positions, kv_caches, meta, m.cos, m.sin, m.local)  # h in place
         else:
             h = m.layers(h, positions, kv_caches, meta)
-        return m.norm(h[rows])
+        return m.norm(h if rows is None else h[rows])
 
     def _capture(self, graphs: DecodeGraphs) -> None:
         """Record one graph of a padded decode step per batch size, largest first, sharing one
