@@ -14,6 +14,7 @@ LLAMA_CPP = "llama-cpp-python==0.3.36"  # the version whose sdist the converter 
 # What differs between x86-64 CPUs: these tests run again as on a CPU with AVX2 but no AVX-512.
 CPU_DEPENDENT_TESTS = [
     "tests/test_quant_kernels.py",
+    "tests/test_quant_repacked.py",
     "tests/test_linear.py",
     "tests/test_kernels.py",
     "tests/test_attention_isa.py",
