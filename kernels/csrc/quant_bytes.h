@@ -78,9 +78,10 @@ NS_INLINE void byte_tile(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_
     for (int r = 0; r < mr; r++) acc[r] = fv_zero();
     strip8 s[QK_K / QK];
     const ahead next = ahead_of(a, c0, 1);
-    /* A super-block's sub-blocks as a loop unrolled with constant indices into s: Q4_K's one-row
-     * GEMV 5-21% faster on an AMD EPYC (bench/ab_quant.py's calls in turn); Q6_K's took 12-18%
-     * longer so at 4 and 8 rows and keeps the loop over b. */
+    /* A super-block's sub-blocks as a loop unrolled with constant indices into s (the strip no
+     * longer goes through the stack): Q4_K's one-row GEMV 1.14-1.17x on an AMD EPYC
+     * (bench/ab_quant.py). Q6_K's took 12-18% longer so at 4 and 8 rows, within what two files of
+     * one build differ by at 8 rows there, and keeps the loop over b. */
     if (!f.halves) {
         for (Py_ssize_t b0 = 0; b0 < nb; b0 += subs) {
             unpack_bytes_block(s, a, c0, b0, last, f);
