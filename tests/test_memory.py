@@ -329,8 +329,12 @@ def faults_of_a_step():
 faults_of_a_step()
 default = faults_of_a_step()
 print(keep_freed_memory(64 << 20))
-faults_of_a_step()
-print(default, faults_of_a_step())
+# The first steps settle the heap: a small block malloc places just past a freed activation
+# keeps it from the heap's free top, and the next step's (a little larger, for its alignment)
+# grows the heap once more (1 run in 4 here). From then on every step reuses what it freed.
+for _ in range(3):
+    faults_of_a_step()
+print(default, max(faults_of_a_step() for _ in range(3)))
 """
 
 
