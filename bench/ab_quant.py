@@ -9,6 +9,7 @@ that a call streams W from memory as a decode step does (one 8192 x 2048 Q4_K ma
 which a 32 MiB L3 holds).
 
     python -m bench.ab_quant A.so B.so [--threads 2] [--formats q4_k,q6_k] [--rows 1,8]
+        [--shapes 1536x576,576x1536]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from bench.bench_quant import blocks_of
 from nanoserve.kernels import quant
 from nanoserve.model.hugepages import pack
 
-FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k", "f16")
+FORMATS = ("q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k", "f16")
 SHAPES = ((8192, 2048), (2048, 8192))  # N, K: gate/up and down of Llama-3.2-1B
 ROWS = (1, 4, 8, 32)
 PATHS = (("avx2", False), ("avx512", True))
@@ -73,6 +74,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--rows", default=",".join(map(str, ROWS)))
+    p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="NxK,...")
     p.add_argument("--copies", type=int, default=8, help="matrices a round multiplies")
     args = p.parse_args()
     a, b = load(args.a), load(args.b)
@@ -80,7 +82,7 @@ def main() -> None:
     paths = PATHS[: names.index(best) + 1] if best in names else ()
     ratios: dict[tuple[str, int], list[float]] = {}
     for name in args.formats.split(","):
-        for n, k in SHAPES:
+        for n, k in (map(int, s.split("x")) for s in args.shapes.split(",")):
             layout, ws = weights(name, n, k, args.copies)
             for m in map(int, args.rows.split(",")):
                 x, out = torch.randn(m, k), torch.empty(m, n)

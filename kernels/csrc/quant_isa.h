@@ -81,6 +81,16 @@ NS_INLINE ivec iv_bytes32(const char *p) {
 NS_INLINE ivec iv_lookup8(ivec table, ivec v) {
     return ISA(_mm512_shuffle_epi8, _mm256_shuffle_epi8)(table, v);
 }
+/* v with bits or'ed into each byte whose byte of x has a bit of mask's (a test, then one masked
+ * add: bits are clear in v where it is used). */
+NS_INLINE ivec iv_or_where(ivec v, ivec x, ivec mask, ivec bits) {
+#ifdef NS_AVX512
+    return _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(x, mask), v, bits);
+#else
+    const ivec masked = _mm256_and_si256(x, mask);
+    return iv_or(v, _mm256_andnot_si256(_mm256_cmpeq_epi8(masked, iv_zero()), bits));
+#endif
+}
 NS_INLINE fvec fv_zero(void) { return ISA(_mm512_setzero_ps, _mm256_setzero_ps)(); }
 NS_INLINE fvec fv_set(float v) { return ISA(_mm512_set1_ps, _mm256_set1_ps)(v); }
 NS_INLINE fvec fv_add(fvec a, fvec b) { return ISA(_mm512_add_ps, _mm256_add_ps)(a, b); }

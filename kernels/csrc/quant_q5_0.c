@@ -64,5 +64,6 @@ const ns_block_format Q5_0_FORMAT = {
     .quantize = q5_0_quantize,
     .dequantize = q5_0_dequantize,
     .pairs = NS_NIBBLE_PAIRS,
+    .byte_gemv = 1,
     .portable = q5_0_matmul_portable,
 };

@@ -61,5 +61,6 @@ const ns_block_format Q5_1_FORMAT = {
     .quantize = q5_1_quantize,
     .dequantize = q5_1_dequantize,
     .pairs = NS_NIBBLE_PAIRS,
+    .byte_gemv = 1,
     .portable = q5_1_matmul_portable,
 };

@@ -186,8 +186,56 @@ NS_INLINE void q5_1_unpack(strip *s, strip_src src) {
     q5_pairs(s->p, g, row_words(w + offsetof(block_q5_1, qh), stride), 0);
 }
 
-static const strip_format Q5_0_STRIPS = {q5_0_unpack, sizeof(block_q5_0), 0};
-static const strip_format Q5_1_STRIPS = {q5_1_unpack, sizeof(block_q5_1), 1};
+/* A 5-bit block's values 0..31 as bytes (the byte GEMV) into v, value 4i + t at byte t of v[i]'s
+ * lanes: the nibble from g (transpose_rows of qs: v[i] the low nibbles of g[i], v[4 + i] the high
+ * ones), bit 4 from qh (lane c: row c's): the byte of qh that holds v[i]'s four bits (byte i / 2)
+ * copied into each byte of the lane, then each byte tested for its own bit. */
+NS_INLINE void q5_bytes(ivec v[8], const ivec g[4], ivec qh) {
+    static const uint32_t lane_bytes[16] = {0, 0x04040404, 0x08080808, 0x0c0c0c0c,
+                                            0, 0x04040404, 0x08080808, 0x0c0c0c0c,
+                                            0, 0x04040404, 0x08080808, 0x0c0c0c0c,
+                                            0, 0x04040404, 0x08080808, 0x0c0c0c0c};
+    const ivec lanes = iv_loadu((const char *)lane_bytes), nibbles = iv_set8(15);
+    const ivec bit = iv_set8(16), even = iv_set32(0x08040201), odd = iv_set32(0x80402010);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        v[i] = iv_and(g[i], nibbles);
+        v[4 + i] = iv_and(iv_shr32(g[i], 4), nibbles);
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) { /* qh's byte k: the bits of v[2k] and v[2k + 1] */
+        const ivec x = iv_lookup8(qh, iv_or(lanes, iv_set8(k)));
+        v[2 * k] = iv_or_where(v[2 * k], x, even, bit);
+        v[2 * k + 1] = iv_or_where(v[2 * k + 1], x, odd, bit);
+    }
+}
+
+/* As q5_0_unpack and q5_1_unpack (has_min), into bytes (the byte GEMV): the values 0..31, Q5_0's
+ * zero point left to byte_step (byte_zero). */
+NS_INLINE void q5_unpack_bytes(strip8 *s, strip_src src, size_t qh, size_t qs, const int has_min) {
+    strip_heads(&s->d, &s->m, src.w, src.stride, has_min);
+    s->d2 = fv_zero();
+    ivec g[4];
+    transpose_rows(g, src.w + qs, src.stride);
+    q5_bytes(s->v, g, row_words(src.w + qh, src.stride));
+}
+
+NS_INLINE void q5_0_unpack_bytes(strip8 *s, strip_src src) {
+    q5_unpack_bytes(s, src, offsetof(block_q5_0, qh), offsetof(block_q5_0, qs), 0);
+}
+
+NS_INLINE void q5_1_unpack_bytes(strip8 *s, strip_src src) {
+    q5_unpack_bytes(s, src, offsetof(block_q5_1, qh), offsetof(block_q5_1, qs), 1);
+}
+
+static const strip_format Q5_0_STRIPS = {.unpack = q5_0_unpack,
+                                         .block_bytes = sizeof(block_q5_0),
+                                         .unpack_bytes = q5_0_unpack_bytes,
+                                         .byte_zero = 16};
+static const strip_format Q5_1_STRIPS = {.unpack = q5_1_unpack,
+                                         .block_bytes = sizeof(block_q5_1),
+                                         .has_min = 1,
+                                         .unpack_bytes = q5_1_unpack_bytes};
 
 static NS_KERNEL void q5_0_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q5_0_STRIPS);

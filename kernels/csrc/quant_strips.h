@@ -99,6 +99,9 @@ typedef struct {
     void (*unpack_bytes)(strip8 *s, strip_src src);
     /* Q8_0's signed bytes, unpacked offset by 128 (unsigned); byte_dot takes the offset off */
     int byte_signed;
+    /* Q5_0's values unpacked as 0..31: byte_step takes byte_zero (16) times the block's sum of q
+     * off the dot */
+    int byte_zero;
     int r16; /* W repacked in groups of 16 rows (strip_src), a K-quant's */
     /* Where set, the GEMM's panel_tiles as a function of its own (OUT_OF_LINE_TILES), which a
      * K-quant's kernels on both layouts share, so that the layout cannot change the tiles' code:
