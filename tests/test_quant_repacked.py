@@ -1,6 +1,7 @@
-"""The K-quants and MXFP4 repacked at load (kernels/csrc/quant_r16.c): each group of 16 rows'
-blocks interleaved 4 bytes at a time, so that the SIMD kernels load what they used to transpose.
-The same bytes, moved; every reader gives what it gives on the file's layout, bit for bit."""
+"""The K-quants, MXFP4, Q5_0 and Q5_1 repacked at load (kernels/csrc/quant_r16.c): each group of 16
+rows' blocks interleaved 4 bytes at a time, so that the SIMD kernels load what they used to
+transpose. The same bytes, moved; every reader gives what it gives on the file's layout, bit for
+bit."""
 
 import numpy as np
 import pytest
@@ -10,12 +11,12 @@ from test_quant_kernels import KQUANTS, ROWS, _kquant_weight, isa  # noqa: F401 
 from nanoserve import kernels
 from nanoserve.kernels import QuantizedWeight, c_backend, quant
 
-REPACKABLE = [*KQUANTS, "mxfp4"]
+REPACKABLE = [*KQUANTS, "mxfp4", "q5_0", "q5_1"]
 
 
 def _weight(qtype: str, n: int, k: int, seed: int) -> QuantizedWeight:
-    """Random valid blocks: the K-quants' random bytes under a model's scales, MXFP4 quantized
-    from normal values (its one-byte scales stay finite)."""
+    """Random valid blocks: the K-quants' random bytes under a model's scales, the others
+    quantized from normal values (MXFP4's one-byte scales stay finite)."""
     if qtype in KQUANTS:
         return _kquant_weight(qtype, n, k, seed)
     g = torch.Generator().manual_seed(seed)
@@ -29,12 +30,12 @@ def test_repacking_moves_the_bytes_and_dequantize_reads_them_back(qtype):
     assert r.repacked and r.kernel_qtype == f"{qtype}_r16" and r.shape == w.shape
     assert not torch.equal(r.data, w.data)
     assert torch.equal(r.data.flatten().sort().values, w.data.flatten().sort().values)
-    # Row 17's first block: its first 4 bytes (MXFP4's after its scale byte) lead group 1's
-    # block, row 1 of it; the rows' scale bytes follow the words there.
-    group, lead = r.data[16:32].flatten(), int(qtype == "mxfp4")
+    # Row 17's first block: its first 4 bytes (after MXFP4's scale byte, Q5_0's d) lead group
+    # 1's block, row 1 of it; the rows' leading bytes follow the words there.
+    group, lead = r.data[16:32].flatten(), {"mxfp4": 1, "q5_0": 2}.get(qtype, 0)
     assert torch.equal(group[4:8], w.data[17, lead : lead + 4])
-    if qtype == "mxfp4":
-        assert group[256 + 1] == w.data[17, 0]
+    tails = 64 * (quant.BLOCK_BYTES[qtype] // 4)
+    assert torch.equal(group[tails + lead : tails + 2 * lead], w.data[17, :lead])
     assert torch.equal(kernels.dequantize(r), kernels.dequantize(w))
     rows = torch.tensor([47, 0, 17, 17, 31])
     assert torch.equal(kernels.dequantize(r, rows=rows), kernels.dequantize(w, rows=rows))

@@ -5,7 +5,7 @@
  * A job copies `rows` rows of `row_bytes` bytes; with `heads` > 0 it also puts back each head's
  * rotary halves, which llama.cpp's converter interleaved row-wise: destination row (h, j, i) of
  * [heads, 2, rows / heads / 2] is source row (h, i, j) of [heads, rows / heads / 2, 2]. With
- * `repack` > 0 (a K-quant's or MXFP4's block bytes) the rows land in the r16 layout (quant_r16.c),
+ * `repack` > 0 (the block bytes of a format quant_r16.c lays out) the rows land in the r16 layout,
  * the heads' halves put back first (through a buffer).
  */
 #include "nanoserve.h"

@@ -1,14 +1,14 @@
-/* The K-quants and MXFP4 repacked at load ("r16"): a matrix's rows in groups of NS_R16 = 16 whose
- * blocks are interleaved 4 bytes at a time, so that the SIMD kernels load a strip's transposed
- * bytes as they lie instead of transposing them (quant_strips.h's strip_src). The bytes are the
- * file's, moved: the resident size is the file's.
+/* The K-quants, MXFP4, Q5_0 and Q5_1 repacked at load ("r16"): a matrix's rows in groups of
+ * NS_R16 = 16 whose blocks are interleaved 4 bytes at a time, so that the SIMD kernels load a
+ * strip's transposed bytes as they lie instead of transposing them (quant_strips.h's strip_src).
+ * The bytes are the file's, moved: the resident size is the file's.
  *
  * Group g (rows 16 g .. 16 g + 15) holds, block after block, each block as 16 block_bytes bytes:
  * first, for each 4 bytes u of a block (words = block_bytes / 4 of them, from byte lead =
  * ns_r16_lead), the 16 rows' bytes lead + 4u .. lead + 4u + 3, row after row (64 bytes); then the
- * rows' remaining block_bytes % 4 bytes (2, Q6_K's d; 1, MXFP4's scale e, its first), row after
- * row. A group occupies the bytes its 16 rows did, so that a slice of a matrix's rows on group
- * boundaries (an expert's) is a matrix of the layout too.
+ * rows' remaining block_bytes % 4 bytes (2, Q6_K's d; 1, MXFP4's scale e, its first; 2, Q5_0's
+ * d, its first), row after row. A group occupies the bytes its 16 rows did, so that a slice of a
+ * matrix's rows on group boundaries (an expert's) is a matrix of the layout too.
  *
  * The formats below are the files' (their arithmetic, quant_q4_k.c ...) with that layout; every
  * reader of their bytes knows it: the SIMD kernels, the portable kernel below (a row's blocks
@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 extern const ns_block_format Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT, MXFP4_FORMAT;
+extern const ns_block_format Q5_0_FORMAT, Q5_1_FORMAT;
 
 /* Where row n's block kb starts in the group's interleaved bytes, and its tail. */
 static const char *group_block(const char *w, size_t row_bytes, size_t block_bytes, Py_ssize_t n,
@@ -91,6 +92,14 @@ static void mxfp4_r16_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     r16_portable(a, n0, n1, &MXFP4_FORMAT);
 }
 
+static void q5_0_r16_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    r16_portable(a, n0, n1, &Q5_0_FORMAT);
+}
+
+static void q5_1_r16_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    r16_portable(a, n0, n1, &Q5_1_FORMAT);
+}
+
 /* An r16 format: the file format's sizes, pairs and arithmetic, its kernel the r16 one. */
 #define R16_FORMAT(block, c, nm, kernel, base, values, order)                                     \
     {.code = c, .name = nm, .block_bytes = sizeof(block), .block_values = values,                 \
@@ -108,3 +117,9 @@ const ns_block_format Q6_K_R16_FORMAT =
 const ns_block_format MXFP4_R16_FORMAT = R16_FORMAT(block_mxfp4, NS_MXFP4_R16, "mxfp4_r16",
                                                     mxfp4_r16_portable, MXFP4_FORMAT, QK,
                                                     NS_NIBBLE_PAIRS);
+const ns_block_format Q5_0_R16_FORMAT = R16_FORMAT(block_q5_0, NS_Q5_0_R16, "q5_0_r16",
+                                                   q5_0_r16_portable, Q5_0_FORMAT, QK,
+                                                   NS_NIBBLE_PAIRS);
+const ns_block_format Q5_1_R16_FORMAT = R16_FORMAT(block_q5_1, NS_Q5_1_R16, "q5_1_r16",
+                                                   q5_1_r16_portable, Q5_1_FORMAT, QK,
+                                                   NS_NIBBLE_PAIRS);

@@ -166,25 +166,38 @@ NS_INLINE void q5_pairs(ivec p[16], const ivec g[4], ivec qh, const int zero_poi
         }
 }
 
-/* d and the 5-bit pairs less 16 (NS_NIBBLE_PAIRS). */
-NS_INLINE void q5_0_unpack(strip *s, strip_src src) {
-    const char *w = src.w;
-    const size_t stride = src.stride;
-    strip_heads(&s->d, &s->m, w, stride, 0);
-    ivec g[4];
-    transpose_rows(g, (const char *)((const block_q5_0 *)w)->qs, stride);
-    q5_pairs(s->p, g, row_words(w + offsetof(block_q5_0, qh), stride), 16);
+/* A 5-bit block's d (and m where has_min), g as transpose_rows gives its qs, and its qh (lane c:
+ * row c's), from the file's rows or plain loads of the r16 layout (quant_r16.c): Q5_0's words
+ * are qh and qs, after its d (the rows' d then follow the words), Q5_1's d and m, qh and qs. */
+NS_INLINE ivec q5_src(ivec g[4], fvec *d, fvec *m, strip_src src, const int has_min) {
+    const size_t qh = has_min ? offsetof(block_q5_1, qh) : offsetof(block_q5_0, qh);
+    if (!src.r16) {
+        strip_heads(d, m, src.w, src.stride, has_min);
+        transpose_rows(g, src.w + qh + 4, src.stride);
+        return row_words(src.w + qh, src.stride);
+    }
+    const size_t word = has_min ? 1 : 0; /* qh's, in the words after the lead */
+    if (has_min) {
+        const ivec h = iv_loadu(src.w + 32 * src.half);
+        *d = half_floats(h, 0);
+        *m = half_floats(h, 1);
+    } else {
+        *d = src_last_half(src, sizeof(block_q5_0));
+        *m = fv_zero();
+    }
+    src_rows(g, src, 4 * word + 4);
+    return iv_loadu(src.w + 64 * word + 32 * src.half);
 }
 
-/* d, m and the 5-bit pairs (NS_NIBBLE_PAIRS). */
-NS_INLINE void q5_1_unpack(strip *s, strip_src src) {
-    const char *w = src.w;
-    const size_t stride = src.stride;
-    strip_heads(&s->d, &s->m, w, stride, 1);
+/* d (and m where has_min) and the 5-bit pairs (NS_NIBBLE_PAIRS), less 16 for Q5_0. */
+NS_INLINE void q5_unpack(strip *s, strip_src src, const int has_min) {
     ivec g[4];
-    transpose_rows(g, (const char *)((const block_q5_1 *)w)->qs, stride);
-    q5_pairs(s->p, g, row_words(w + offsetof(block_q5_1, qh), stride), 0);
+    const ivec qh = q5_src(g, &s->d, &s->m, src, has_min);
+    q5_pairs(s->p, g, qh, has_min ? 0 : 16);
 }
+
+NS_INLINE void q5_0_unpack(strip *s, strip_src src) { q5_unpack(s, src, 0); }
+NS_INLINE void q5_1_unpack(strip *s, strip_src src) { q5_unpack(s, src, 1); }
 
 /* A 5-bit block's values 0..31 as bytes (the byte GEMV) into v, value 4i + t at byte t of v[i]'s
  * lanes: the nibble from g (transpose_rows of qs: v[i] the low nibbles of g[i], v[4 + i] the high
@@ -210,23 +223,17 @@ NS_INLINE void q5_bytes(ivec v[8], const ivec g[4], ivec qh) {
     }
 }
 
-/* As q5_0_unpack and q5_1_unpack (has_min), into bytes (the byte GEMV): the values 0..31, Q5_0's
- * zero point left to byte_step (byte_zero). */
-NS_INLINE void q5_unpack_bytes(strip8 *s, strip_src src, size_t qh, size_t qs, const int has_min) {
-    strip_heads(&s->d, &s->m, src.w, src.stride, has_min);
-    s->d2 = fv_zero();
+/* As q5_unpack, into bytes (the byte GEMV): the values 0..31, Q5_0's zero point left to
+ * byte_step (byte_zero). */
+NS_INLINE void q5_unpack_bytes(strip8 *s, strip_src src, const int has_min) {
     ivec g[4];
-    transpose_rows(g, src.w + qs, src.stride);
-    q5_bytes(s->v, g, row_words(src.w + qh, src.stride));
+    const ivec qh = q5_src(g, &s->d, &s->m, src, has_min);
+    s->d2 = fv_zero();
+    q5_bytes(s->v, g, qh);
 }
 
-NS_INLINE void q5_0_unpack_bytes(strip8 *s, strip_src src) {
-    q5_unpack_bytes(s, src, offsetof(block_q5_0, qh), offsetof(block_q5_0, qs), 0);
-}
-
-NS_INLINE void q5_1_unpack_bytes(strip8 *s, strip_src src) {
-    q5_unpack_bytes(s, src, offsetof(block_q5_1, qh), offsetof(block_q5_1, qs), 1);
-}
+NS_INLINE void q5_0_unpack_bytes(strip8 *s, strip_src src) { q5_unpack_bytes(s, src, 0); }
+NS_INLINE void q5_1_unpack_bytes(strip8 *s, strip_src src) { q5_unpack_bytes(s, src, 1); }
 
 static const strip_format Q5_0_STRIPS = {.unpack = q5_0_unpack,
                                          .block_bytes = sizeof(block_q5_0),
@@ -512,7 +519,7 @@ static NS_KERNEL void q6_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q6_K_STRIPS);
 }
 
-/* ---------------------------------------------------------- the K-quants and MXFP4 repacked (r16) */
+/* ------------------------------------------ the K-quants, MXFP4, Q5_0 and Q5_1 repacked (r16) */
 
 /* The strip formats above with r16 set: the same unpackings, reading W through strip_src's loads. */
 NS_INLINE strip_format repacked(strip_format f) {
@@ -530,6 +537,14 @@ static NS_KERNEL void q5_k_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n
 
 static NS_KERNEL void q6_k_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, repacked(Q6_K_STRIPS));
+}
+
+static NS_KERNEL void q5_0_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, repacked(Q5_0_STRIPS));
+}
+
+static NS_KERNEL void q5_1_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, repacked(Q5_1_STRIPS));
 }
 
 static NS_KERNEL void mxfp4_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
@@ -598,4 +613,5 @@ static const ns_matmul_fn SIMD_KERNELS[NS_NUM_GGML_TYPES] = {
     [GGML_Q5_K] = q5_k_simd, [GGML_Q6_K] = q6_k_simd, [GGML_F16] = f16_simd,
     [GGML_BF16] = bf16_simd, [GGML_MXFP4] = mxfp4_simd, [NS_Q4_K_R16] = q4_k_r16_simd,
     [NS_Q5_K_R16] = q5_k_r16_simd, [NS_Q6_K_R16] = q6_k_r16_simd, [NS_MXFP4_R16] = mxfp4_r16_simd,
+    [NS_Q5_0_R16] = q5_0_r16_simd, [NS_Q5_1_R16] = q5_1_r16_simd,
 };

@@ -65,10 +65,11 @@ NS_INLINE void src_rows(ivec g[4], strip_src src, size_t off) {
     for (int i = 0; i < 4; i++) g[i] = iv_loadu(src.w + 64 * (off / 4 + (size_t)i) + 32 * src.half);
 }
 
-/* Each row's fp16 at off, the last 2 bytes of its block (Q6_K's d), as floats. */
+/* Each row's fp16 at off, the last 2 bytes of its block (Q6_K's d), as floats; of the r16 layout,
+ * the rows' 2 bytes after the words (Q6_K's d, Q5_0's), one load. */
 NS_INLINE fvec src_last_half(strip_src src, size_t off) {
     if (!src.r16) return half_floats(row_words(src.w + off - 2, src.stride), 1);
-    return half_floats(row_words(src.w + 64 * (size_t)src.words + 16 * src.half - 2, 2), 1);
+    return widen(src.w + 64 * (size_t)src.words + 2 * STRIP_W * src.half, 0);
 }
 
 /* A chunk of the GEMM (strip_gemm): blocks b0 .. b1 of the nr strips from strip s (of its columns

@@ -2,13 +2,13 @@
 
 A QuantizedWeight holds the bytes of a GGUF tensor [N, K]: rows of blocks of BLOCK_VALUES[qtype]
 values along K (32, or a K-quant's super-block of 256), never de-quantized to a float matrix (a
-K-quant's or MXFP4's rows repacked in groups of 16 for the SIMD kernels where `repacked`:
-repack()). The formats (QUANT_TYPES, BLOCK_BYTES, BLOCK_VALUES) come from the C module's one table
-of formats (kernels/csrc/quant.c); each format's block layout and arithmetic are in its file,
-kernels/csrc/quant_<name>.c. quantize() makes one from float weights (the bytes
+K-quant's, MXFP4's, Q5_0's or Q5_1's rows repacked in groups of 16 for the SIMD kernels where
+`repacked`: repack()). The formats (QUANT_TYPES, BLOCK_BYTES, BLOCK_VALUES) come from the C module's
+one table of formats (kernels/csrc/quant.c); each format's block layout and arithmetic are in its
+file, kernels/csrc/quant_<name>.c. quantize() makes one from float weights (the bytes
 gguf.quants.quantize makes; not to the K-quants, NOT_QUANTIZED, whose files llama.cpp's quantizer
-makes), dequantize() is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in
-one C call.
+makes), dequantize() is the float reference, and quantized_linear(x, w) = x @ dequantize(w).T in one
+C call.
 
 quantized_linear quantizes each row of x per block of 32 to int16 (dx = max|x| / 32767) and takes
 exact integer dot products with the weight blocks, scaled by d dx in float: so its result differs
