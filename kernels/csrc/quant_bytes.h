@@ -1,14 +1,14 @@
 /* The decode GEMV on the VNNI paths for the formats that unpack W to bytes (strip_format's
- * unpack_bytes: Q8_0, Q5_0, Q5_1, MXFP4 and the K-quants): each int16 activation q as 256 hi + lo (ns_xq's hi,
- * signed, and lo, unsigned), so that two vpdpbusd per 4 values (dot_w_x: W's unsigned bytes
- * times hi; dot_x_w: lo times W's bytes as signed) give the block's int32 dot exactly: the same
- * integer that vpdpwssd gives on the int16 pairs of strip_tile, scaled by the same operations,
- * so the results are bitwise the GEMM's. It saves widening W to int16 pairs, which bounded the
- * K-quants' int16 GEMV on an AMD EPYC (bench/experiments/int8_gemv.py). Q4_0 and Q4_1 gained
- * nothing from it there (their pairs come cheaply) and keep the int16 GEMV. Q5_0 and Q5_1 (a K-quant
- * file's format where a row is no whole number of super-blocks: SmolLM2's 576 values) gained
- * 1.08-1.22x at one row (bench/ab_quant.py, 576 x 1536 to 8192 x 2048), about 1x at 8. Included by quant_strips.h where NS_VNNI is
- * defined.
+ * unpack_bytes: Q8_0, Q5_0, Q5_1, MXFP4 and the K-quants): each int16 activation q as 256 hi + lo
+ * (ns_xq's hi, signed, and lo, unsigned), so that two vpdpbusd per 4 values (dot_w_x: W's unsigned
+ * bytes times hi; dot_x_w: lo times W's bytes as signed) give the block's int32 dot exactly: the
+ * same integer that vpdpwssd gives on the int16 pairs of strip_tile, scaled by the same
+ * operations, so the results are bitwise the GEMM's. It saves widening W to int16 pairs, which
+ * bounded the K-quants' int16 GEMV on an AMD EPYC (bench/experiments/int8_gemv.py). Q4_0 and Q4_1
+ * gained nothing from it there (their pairs come cheaply) and keep the int16 GEMV. Q5_0 and Q5_1
+ * (a K-quant file's format where a row is no whole number of super-blocks: SmolLM2's 576 values)
+ * gained 1.08-1.22x at one row (bench/ab_quant.py, 576 x 1536 to 8192 x 2048), about 1x at 8.
+ * Included by quant_strips.h where NS_VNNI is defined.
  */
 #ifndef NANOSERVE_QUANT_BYTES_H
 #define NANOSERVE_QUANT_BYTES_H
@@ -50,8 +50,10 @@ NS_INLINE void byte_step(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq, 
             continue;
         }
         ivec dot = byte_dot(s->v, xq, at, 0, 8, f.byte_signed);
-        if (f.byte_zero)
-            dot = iv_sub32(dot, iv_set32(f.byte_zero * (xq->sum16[2 * at] + xq->sum16[2 * at + 1])));
+        if (f.byte_zero) {
+            const int32_t sum = xq->sum16[2 * at] + xq->sum16[2 * at + 1]; /* the block's q */
+            dot = iv_sub32(dot, iv_set32(f.byte_zero * sum));
+        }
         acc[r] = fv_fma(iv_to_fv(dot), fv_mul(s->d, dx), acc[r]);
         if (f.has_min) acc[r] = fv_fma(s->m, fv_set(xq->sx[at]), acc[r]);
     }

@@ -103,7 +103,7 @@ typedef struct {
     /* Q5_0's values unpacked as 0..31: byte_step takes byte_zero (16) times the block's sum of q
      * off the dot */
     int byte_zero;
-    int r16; /* W repacked in groups of 16 rows (strip_src), a K-quant's */
+    int r16; /* W repacked in groups of 16 rows (strip_src, quant_r16.c) */
     /* Where set, the GEMM's panel_tiles as a function of its own (OUT_OF_LINE_TILES), which a
      * K-quant's kernels on both layouts share, so that the layout cannot change the tiles' code:
      * inlined into each kernel, one perf profile of a pp512 on an AMD EPYC gave the r16 kernel
