@@ -172,51 +172,61 @@ static float quantize_block(int16_t *v, const float *x) {
     return dx;
 }
 
+/* Sum of n int16 values, vectorised (GCC's cost model left 16 of them scalar). */
+static int32_t sum_i16(const int16_t *v, int n) {
+    int32_t s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int j = 0; j < n; j++) s += v[j];
+    return s;
+}
+
+/* A block's values as hi and lo bytes (v = 256 hi + lo) and the sum of hi. */
+static int32_t split_bytes(const int16_t *restrict v, int8_t *restrict hi, uint8_t *restrict lo) {
+    int32_t hs = 0;
+#pragma omp simd reduction(+ : hs)
+    for (int j = 0; j < QK; j++) {
+        hi[j] = (int8_t)(v[j] >> 8);
+        lo[j] = (uint8_t)(v[j] & 255);
+        hs += v[j] >> 8;
+    }
+    return hs;
+}
+
 /* Row m of x, quantized: each block's values in `order` (value order[j] at j), or in order when
  * it is NULL, its dx and sx, and its split into hi and lo where xq has them (tiles, or hi and
- * lo in order). xq's pointers are read once into locals, and the bytes written through restrict
- * pointers: stores of bytes may alias anything, and GCC reloaded xq's fields at every byte, in a
- * loop it left scalar. */
+ * lo in order). Where xq has no q (the byte GEMV reads hi and lo only), q is not written. xq's
+ * pointers are read once into locals, and the bytes written through restrict pointers: stores of
+ * bytes may alias anything, and GCC reloaded xq's fields at every byte, in a loop it left
+ * scalar. */
 void ns_quantize_x_row(const ns_xq *xq, const uint8_t *order, const float *x, Py_ssize_t m) {
     const Py_ssize_t blocks = xq->blocks;
     int8_t *const tiles = xq->tiles, *const his = xq->hi;
     uint8_t *const los = xq->lo;
+    int16_t *const qs = xq->q;
     for (Py_ssize_t b = 0; b < blocks; b++) {
         const Py_ssize_t at = m * blocks + b;
         int16_t v[QK];
         const float dx = quantize_block(v, x + at * QK);
-        int16_t *q = xq->q + at * QK;
-        int32_t sum = 0;
-        for (int j = 0; j < QK; j++) {
-            q[j] = order ? v[order[j]] : v[j];
-            sum += v[j];
-        }
+        const int32_t s0 = sum_i16(v, QK / 2), s1 = sum_i16(v + QK / 2, QK / 2);
         xq->dx[at] = dx;
-        xq->sx[at] = dx * (float)sum;
+        xq->sx[at] = dx * (float)(s0 + s1);
+        if (qs) {
+            int16_t *q = qs + at * QK;
+            for (int j = 0; j < QK; j++) q[j] = order ? v[order[j]] : v[j];
+        }
         if (tiles) {
             int8_t *hi = tiles + ((m / NS_AMX_ROWS * blocks + b) * 2 * NS_AMX_ROWS +
                                   m % NS_AMX_ROWS) * QK;
+            const int16_t *q = qs + at * QK;
             for (int j = 0; j < QK; j++) {
                 hi[j] = (int8_t)(q[j] >> 8);
                 hi[NS_AMX_ROWS * QK + j] = (int8_t)(q[j] & 255); /* lo, as the same bits */
             }
         }
         if (!his) continue;
-        int8_t *restrict hi = his + at * QK;
-        uint8_t *restrict lo = los + at * QK;
-        for (int j = 0; j < QK; j++) {
-            hi[j] = (int8_t)(v[j] >> 8);
-            lo[j] = (uint8_t)(v[j] & 255);
-        }
-        int32_t hs = 0, s0 = 0, s1 = 0;
-        for (int j = 0; j < QK / 2; j++) {
-            s0 += v[j];
-            s1 += v[QK / 2 + j];
-            hs += (v[j] >> 8) + (v[QK / 2 + j] >> 8);
-        }
+        xq->hisum[at] = split_bytes(v, his + at * QK, los + at * QK);
         xq->sum16[at * 2] = s0;
         xq->sum16[at * 2 + 1] = s1;
-        xq->hisum[at] = hs;
     }
 }
 
@@ -264,6 +274,7 @@ int nanoserve_quant_matmul_then(float *out, Py_ssize_t ldo, const float *x, cons
     const int split = path == NS_AMX && M >= NS_AMX_ROWS;
     const int bytes = path >= NS_AVX512_VNNI && M <= NS_BYTE_ROWS && !split && f->byte_gemv;
     if (!f->float_x && !(base = ns_xq_alloc(&xq, M, K, split, bytes))) return -1;
+    if (bytes) xq.q = NULL; /* the byte GEMV reads hi and lo only */
     const ns_qmm a = {out, (const char *)w, &xq, M, N, K, ldo,
                       (size_t)(K / ns_block_values(f)) * f->block_bytes, x};
     const ns_matmul_fn kernel = ns_path_kernel(f, path);
