@@ -31,24 +31,62 @@ NS_INLINE ivec byte_dot(const ivec *v, const ns_xq *xq, Py_ssize_t at, const int
     return iv_add32(iv_shl32(dh, 8), dl);
 }
 
+/* byte_dot of the values v[i0 .. i0 + 4) for up to 4 rows at once (rows at[0 .. nr)), their
+ * chains interleaved: Q6_K's half-blocks are 4 vpdpbusd a chain, too short for one row's two
+ * chains to hide the instruction's latency (bench/ab_quant.py on an AMD EPYC: Q6_K 1.03-1.28x at
+ * 1 to 8 rows; Q4_K's whole blocks were 11-27% slower so at 4 and 8 rows and keep byte_dot). */
+NS_INLINE void byte_dots_half(ivec dot[4], const ivec *v, const ns_xq *xq, const Py_ssize_t at[4],
+                              const int nr, const int i0) {
+    ivec dh[4], dl[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; r++) dh[r] = iv_zero(), dl[r] = iv_zero();
+#pragma GCC unroll 4
+    for (int i = i0; i < i0 + 4; i++)
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) {
+            dh[r] = dot_w_x(dh[r], v[i], xq->hi + at[r] * QK + 4 * i);
+            dl[r] = dot_x_w(dl[r], v[i], xq->lo + at[r] * QK + 4 * i);
+        }
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; r++) dot[r] = iv_add32(iv_shl32(dh[r], 8), dl[r]);
+}
+
+/* byte_step's Q6_K (halves): each half's dot less its zero point 32 times the half's sum of q,
+ * scaled by d, then d2; 4 rows at a time. */
+NS_INLINE void byte_step_halves(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq,
+                                Py_ssize_t r0, const int mr, Py_ssize_t b) {
+#pragma GCC unroll 2
+    for (int g = 0; g < mr; g += 4) {
+        const int nr = mr - g < 4 ? mr - g : 4;
+        Py_ssize_t at[4];
+        ivec a[4], c[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) at[r] = (r0 + g + r) * xq->blocks + b;
+        byte_dots_half(a, s->v, xq, at, nr, 0);
+        byte_dots_half(c, s->v, xq, at, nr, 4);
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) {
+            const fvec dx = fv_set(xq->dx[at[r]]);
+            a[r] = iv_sub32(a[r], iv_set32(32 * xq->sum16[2 * at[r]]));
+            c[r] = iv_sub32(c[r], iv_set32(32 * xq->sum16[2 * at[r] + 1]));
+            acc[g + r] = fv_fma(iv_to_fv(a[r]), fv_mul(s->d, dx), acc[g + r]);
+            acc[g + r] = fv_fma(iv_to_fv(c[r]), fv_mul(s->d2, dx), acc[g + r]);
+        }
+    }
+}
+
 /* acc[r] over block b of rows r0 .. r0 + mr of x against the strip's block s, scaled as
- * scale_dots scales; halves (Q6_K): each half's dot less its zero point 32 times the half's sum
- * of q, scaled by d, then d2. */
+ * scale_dots scales (Q6_K's halves: byte_step_halves). */
 NS_INLINE void byte_step(fvec acc[GEMV_ROWS], const strip8 *s, const ns_xq *xq, Py_ssize_t r0,
                          const int mr, Py_ssize_t b, const strip_format f) {
+    if (f.halves) {
+        byte_step_halves(acc, s, xq, r0, mr, b);
+        return;
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
         const Py_ssize_t at = (r0 + r) * xq->blocks + b;
         const fvec dx = fv_set(xq->dx[at]);
-        if (f.halves) {
-            const ivec a = iv_sub32(byte_dot(s->v, xq, at, 0, 4, 0),
-                                    iv_set32(32 * xq->sum16[2 * at]));
-            const ivec c = iv_sub32(byte_dot(s->v, xq, at, 4, 4, 0),
-                                    iv_set32(32 * xq->sum16[2 * at + 1]));
-            acc[r] = fv_fma(iv_to_fv(a), fv_mul(s->d, dx), acc[r]);
-            acc[r] = fv_fma(iv_to_fv(c), fv_mul(s->d2, dx), acc[r]);
-            continue;
-        }
         ivec dot = byte_dot(s->v, xq, at, 0, 8, f.byte_signed);
         if (f.byte_zero) {
             const int32_t sum = xq->sum16[2 * at] + xq->sum16[2 * at + 1]; /* the block's q */
