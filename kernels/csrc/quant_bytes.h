@@ -33,8 +33,9 @@ NS_INLINE ivec byte_dot(const ivec *v, const ns_xq *xq, Py_ssize_t at, const int
 
 /* byte_dot of the values v[i0 .. i0 + 4) for up to 4 rows at once (rows at[0 .. nr)), their
  * chains interleaved: Q6_K's half-blocks are 4 vpdpbusd a chain, too short for one row's two
- * chains to hide the instruction's latency (bench/ab_quant.py on an AMD EPYC: Q6_K 1.03-1.28x at
- * 1 to 8 rows; Q4_K's whole blocks were 11-27% slower so at 4 and 8 rows and keep byte_dot). */
+ * chains to hide the instruction's latency (bench/ab_quant.py on an AMD EPYC: Q6_K 1.02-1.34x at
+ * 1 to 8 rows). Interleaved, Q4_K's whole blocks were 15-27% slower at 4 and 8 rows and Q8_0's
+ * 2-7%: they keep byte_dot, a row at a time. */
 NS_INLINE void byte_dots_half(ivec dot[4], const ivec *v, const ns_xq *xq, const Py_ssize_t at[4],
                               const int nr, const int i0) {
     ivec dh[4], dl[4];
