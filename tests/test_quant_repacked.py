@@ -1,7 +1,7 @@
-"""The K-quants, MXFP4, Q5_0 and Q5_1 repacked at load (kernels/csrc/quant_r16.c): each group of 16
-rows' blocks interleaved 4 bytes at a time, so that the SIMD kernels load what they used to
-transpose. The same bytes, moved; every reader gives what it gives on the file's layout, bit for
-bit."""
+"""The K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked at load (kernels/csrc/quant_r16.c): each
+group of 16 rows' blocks interleaved 4 bytes at a time, so that the SIMD kernels load what they
+used to transpose. The same bytes, moved; every reader gives what it gives on the file's layout,
+bit for bit."""
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from test_quant_kernels import KQUANTS, ROWS, _kquant_weight, isa  # noqa: F401 
 from nanoserve import kernels
 from nanoserve.kernels import QuantizedWeight, c_backend, quant
 
-REPACKABLE = [*KQUANTS, "mxfp4", "q5_0", "q5_1"]
+REPACKABLE = [*KQUANTS, "mxfp4", "q5_0", "q5_1", "q8_0"]
 
 
 def _weight(qtype: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -30,9 +30,9 @@ def test_repacking_moves_the_bytes_and_dequantize_reads_them_back(qtype):
     assert r.repacked and r.kernel_qtype == f"{qtype}_r16" and r.shape == w.shape
     assert not torch.equal(r.data, w.data)
     assert torch.equal(r.data.flatten().sort().values, w.data.flatten().sort().values)
-    # Row 17's first block: its first 4 bytes (after MXFP4's scale byte, Q5_0's d) lead group
-    # 1's block, row 1 of it; the rows' leading bytes follow the words there.
-    group, lead = r.data[16:32].flatten(), {"mxfp4": 1, "q5_0": 2}.get(qtype, 0)
+    # Row 17's first block: its first 4 bytes (after MXFP4's scale byte, Q5_0's and Q8_0's d)
+    # lead group 1's block, row 1 of it; the rows' leading bytes follow the words there.
+    group, lead = r.data[16:32].flatten(), {"mxfp4": 1, "q5_0": 2, "q8_0": 2}.get(qtype, 0)
     assert torch.equal(group[4:8], w.data[17, lead : lead + 4])
     tails = 64 * (quant.BLOCK_BYTES[qtype] // 4)
     assert torch.equal(group[tails + lead : tails + 2 * lead], w.data[17, :lead])
@@ -86,10 +86,10 @@ def test_what_cannot_be_repacked_is_refused_by_name():
         quant.repack(w)
     with pytest.raises(ValueError, match="repacked must be False for q4_k of 24 rows"):
         QuantizedWeight(w.data, "q4_k", w.shape, repacked=True)
-    q8 = kernels.quantize(torch.randn(16, 64), "q8_0")
-    with pytest.raises(ValueError, match="repacked must be False for q8_0"):
-        QuantizedWeight(q8.data, "q8_0", q8.shape, repacked=True)
-    assert not quant.repackable("q8_0", 16) and quant.repackable("q6_k", 32)
+    q4 = kernels.quantize(torch.randn(16, 64), "q4_0")
+    with pytest.raises(ValueError, match="repacked must be False for q4_0"):
+        QuantizedWeight(q4.data, "q4_0", q4.shape, repacked=True)
+    assert not quant.repackable("q4_0", 16) and quant.repackable("q8_0", 32)
     out = torch.empty_like(w.data)
     with pytest.raises(ValueError, match="repacked in blocks of 144"):
         c_backend.copy_rows([(out.data_ptr(), w.data.data_ptr(), 24, w.row_bytes, 0, 144)])

@@ -28,12 +28,12 @@ extern const ns_block_format Q8_0_FORMAT, Q4_0_FORMAT, Q4_1_FORMAT;
 extern const ns_block_format Q5_0_FORMAT, Q5_1_FORMAT, Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT;
 extern const ns_block_format F16_FORMAT, BF16_FORMAT, MXFP4_FORMAT;
 extern const ns_block_format Q4_K_R16_FORMAT, Q5_K_R16_FORMAT, Q6_K_R16_FORMAT, MXFP4_R16_FORMAT;
-extern const ns_block_format Q5_0_R16_FORMAT, Q5_1_R16_FORMAT;
+extern const ns_block_format Q5_0_R16_FORMAT, Q5_1_R16_FORMAT, Q8_0_R16_FORMAT;
 static const ns_block_format *const FORMATS[] = {
     &Q8_0_FORMAT,     &Q4_0_FORMAT,     &Q4_1_FORMAT,    &Q5_0_FORMAT, &Q5_1_FORMAT,
     &Q4_K_FORMAT,     &Q5_K_FORMAT,     &Q6_K_FORMAT,    &F16_FORMAT,  &BF16_FORMAT,
     &MXFP4_FORMAT,    &Q4_K_R16_FORMAT, &Q5_K_R16_FORMAT, &Q6_K_R16_FORMAT, &MXFP4_R16_FORMAT,
-    &Q5_0_R16_FORMAT, &Q5_1_R16_FORMAT};
+    &Q5_0_R16_FORMAT, &Q5_1_R16_FORMAT, &Q8_0_R16_FORMAT};
 enum { NUM_FORMATS = sizeof FORMATS / sizeof FORMATS[0] };
 
 const ns_block_format *ns_block_format_of(int code) {

@@ -99,9 +99,9 @@ enum ns_path { NS_PORTABLE, NS_AVX2, NS_AVX512, NS_AVX512_VNNI, NS_AMX, NS_NUM_P
 enum ns_ggml_type {
     GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
     GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30, GGML_MXFP4 = 39,
-    /* nanoserve's own: the K-quants, MXFP4, Q5_0 and Q5_1 repacked at load in groups of NS_R16
+    /* nanoserve's own: the K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked at load in groups of NS_R16
      * rows (quant_r16.c) */
-    NS_Q4_K_R16, NS_Q5_K_R16, NS_Q6_K_R16, NS_MXFP4_R16, NS_Q5_0_R16, NS_Q5_1_R16,
+    NS_Q4_K_R16, NS_Q5_K_R16, NS_Q6_K_R16, NS_MXFP4_R16, NS_Q5_0_R16, NS_Q5_1_R16, NS_Q8_0_R16,
     NS_NUM_GGML_TYPES
 };
 
@@ -157,9 +157,10 @@ int ns_quant_path(void);
 /* quant_r16.c: an r16 matrix's row n's block kb copied to dst (its rows of row_bytes, its blocks
  * of block_bytes); rows (a multiple of NS_R16) of the file's layout at src repacked into dst; the
  * byte where a block's 4-byte words start: after the bytes that lead a block of its size and are
- * no whole word, MXFP4's scale (17 bytes) and Q5_0's d (22); Q6_K's d (210) comes last. */
+ * no whole word, MXFP4's scale (17 bytes), Q5_0's d (22) and Q8_0's (34); Q6_K's d (210) comes
+ * last. */
 static inline size_t ns_r16_lead(size_t block_bytes) {
-    return block_bytes % 4 == 1 ? 1 : block_bytes == 22 ? 2 : 0;
+    return block_bytes % 4 == 1 ? 1 : block_bytes == 22 || block_bytes == 34 ? 2 : 0;
 }
 void ns_r16_block(char *dst, const char *w, size_t row_bytes, size_t block_bytes, Py_ssize_t n,
                   Py_ssize_t kb);

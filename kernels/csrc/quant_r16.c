@@ -1,4 +1,4 @@
-/* The K-quants, MXFP4, Q5_0 and Q5_1 repacked at load ("r16"): a matrix's rows in groups of
+/* The K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked at load ("r16"): a matrix's rows in groups of
  * NS_R16 = 16 whose blocks are interleaved 4 bytes at a time, so that the SIMD kernels load a
  * strip's transposed bytes as they lie instead of transposing them (quant_strips.h's strip_src).
  * The bytes are the file's, moved: the resident size is the file's.
@@ -7,7 +7,7 @@
  * first, for each 4 bytes u of a block (words = block_bytes / 4 of them, from byte lead =
  * ns_r16_lead), the 16 rows' bytes lead + 4u .. lead + 4u + 3, row after row (64 bytes); then the
  * rows' remaining block_bytes % 4 bytes (2, Q6_K's d; 1, MXFP4's scale e, its first; 2, Q5_0's
- * d, its first), row after row. A group occupies the bytes its 16 rows did, so that a slice of a
+ * and Q8_0's d, their first), row after row. A group occupies the bytes its 16 rows did, so that a slice of a
  * matrix's rows on group boundaries (an expert's) is a matrix of the layout too.
  *
  * The formats below are the files' (their arithmetic, quant_q4_k.c ...) with that layout; every
@@ -19,7 +19,7 @@
 #include <stdlib.h>
 
 extern const ns_block_format Q4_K_FORMAT, Q5_K_FORMAT, Q6_K_FORMAT, MXFP4_FORMAT;
-extern const ns_block_format Q5_0_FORMAT, Q5_1_FORMAT;
+extern const ns_block_format Q5_0_FORMAT, Q5_1_FORMAT, Q8_0_FORMAT;
 
 /* Where row n's block kb starts in the group's interleaved bytes, and its tail. */
 static const char *group_block(const char *w, size_t row_bytes, size_t block_bytes, Py_ssize_t n,
@@ -100,6 +100,10 @@ static void q5_1_r16_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     r16_portable(a, n0, n1, &Q5_1_FORMAT);
 }
 
+static void q8_0_r16_portable(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    r16_portable(a, n0, n1, &Q8_0_FORMAT);
+}
+
 /* An r16 format: the file format's sizes, pairs and arithmetic, its kernel the r16 one. */
 #define R16_FORMAT(block, c, nm, kernel, base, values, order)                                     \
     {.code = c, .name = nm, .block_bytes = sizeof(block), .block_values = values,                 \
@@ -123,3 +127,6 @@ const ns_block_format Q5_0_R16_FORMAT = R16_FORMAT(block_q5_0, NS_Q5_0_R16, "q5_
 const ns_block_format Q5_1_R16_FORMAT = R16_FORMAT(block_q5_1, NS_Q5_1_R16, "q5_1_r16",
                                                    q5_1_r16_portable, Q5_1_FORMAT, QK,
                                                    NS_NIBBLE_PAIRS);
+const ns_block_format Q8_0_R16_FORMAT = R16_FORMAT(block_q8_0, NS_Q8_0_R16, "q8_0_r16",
+                                                   q8_0_r16_portable, Q8_0_FORMAT, QK,
+                                                   NS_BYTE_PAIRS);

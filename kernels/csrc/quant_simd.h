@@ -14,16 +14,26 @@
 
 /* ---------------------------------------------------------------- Q8_0 */
 
+/* Each row's d, and g, g1 as transpose_rows gives the values (lane c: row c's bytes 4i .. 4i + 3
+ * of qs, and of qs + 16), from the file's rows or plain loads of the r16 layout (quant_r16.c: the
+ * values' words, then the rows' d). */
+NS_INLINE fvec q8_0_src(ivec g[4], ivec g1[4], strip_src src) {
+    if (src.r16) {
+        src_rows(g, src, 0);
+        src_rows(g1, src, 16);
+        return src_last_half(src, sizeof(block_q8_0));
+    }
+    transpose_rows(g, src.w + offsetof(block_q8_0, qs), src.stride);
+    transpose_rows(g1, src.w + offsetof(block_q8_0, qs) + 16, src.stride);
+    return half_floats(row_words(src.w, src.stride), 0);
+}
+
 /* Lane bytes b0..b3 (values 4q..4q+3 of a half) as the pairs (b0, b2) and (b1, b3),
  * sign-extended (NS_BYTE_PAIRS). */
 NS_INLINE void q8_0_unpack(strip *s, strip_src src) {
-    const char *w = src.w;
-    const size_t stride = src.stride;
-    const block_q8_0 *b = (const block_q8_0 *)w;
-    strip_heads(&s->d, &s->m, w, stride, 0);
     ivec g[4], g1[4];
-    transpose_rows(g, (const char *)b->qs, stride);
-    transpose_rows(g1, (const char *)b->qs + 16, stride);
+    s->d = q8_0_src(g, g1, src);
+    s->m = fv_zero();
 #pragma GCC unroll 4
     for (int q = 0; q < 4; q++) {
         s->p[2 * q] = iv_sar16(iv_shl16(g[q], 8), 8);
@@ -35,14 +45,9 @@ NS_INLINE void q8_0_unpack(strip *s, strip_src src) {
 
 /* As q8_0_unpack, into bytes (the byte GEMV): each value plus 128, as unsigned bytes. */
 NS_INLINE void q8_0_unpack_bytes(strip8 *s, strip_src src) {
-    const char *w = src.w;
-    const size_t stride = src.stride;
-    const block_q8_0 *b = (const block_q8_0 *)w;
-    strip_heads(&s->d, &s->m, w, stride, 0);
-    s->d2 = fv_zero();
     ivec g[4], g1[4];
-    transpose_rows(g, (const char *)b->qs, stride);
-    transpose_rows(g1, (const char *)b->qs + 16, stride);
+    s->d = q8_0_src(g, g1, src);
+    s->m = s->d2 = fv_zero();
     const ivec offset = iv_set8(-128);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
@@ -519,7 +524,7 @@ static NS_KERNEL void q6_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q6_K_STRIPS);
 }
 
-/* ------------------------------------------ the K-quants, MXFP4, Q5_0 and Q5_1 repacked (r16) */
+/* ------------------------------------ the K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked (r16) */
 
 /* The strip formats above with r16 set: the same unpackings, reading W through strip_src's loads. */
 NS_INLINE strip_format repacked(strip_format f) {
@@ -545,6 +550,10 @@ static NS_KERNEL void q5_0_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n
 
 static NS_KERNEL void q5_1_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, repacked(Q5_1_STRIPS));
+}
+
+static NS_KERNEL void q8_0_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
+    strip_matmul(a, n0, n1, repacked(Q8_0_STRIPS));
 }
 
 static NS_KERNEL void mxfp4_r16_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
@@ -613,5 +622,5 @@ static const ns_matmul_fn SIMD_KERNELS[NS_NUM_GGML_TYPES] = {
     [GGML_Q5_K] = q5_k_simd, [GGML_Q6_K] = q6_k_simd, [GGML_F16] = f16_simd,
     [GGML_BF16] = bf16_simd, [GGML_MXFP4] = mxfp4_simd, [NS_Q4_K_R16] = q4_k_r16_simd,
     [NS_Q5_K_R16] = q5_k_r16_simd, [NS_Q6_K_R16] = q6_k_r16_simd, [NS_MXFP4_R16] = mxfp4_r16_simd,
-    [NS_Q5_0_R16] = q5_0_r16_simd, [NS_Q5_1_R16] = q5_1_r16_simd,
+    [NS_Q5_0_R16] = q5_0_r16_simd, [NS_Q5_1_R16] = q5_1_r16_simd, [NS_Q8_0_R16] = q8_0_r16_simd,
 };

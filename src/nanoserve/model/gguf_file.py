@@ -10,9 +10,9 @@ run of rows, expert after expert; any other architecture, tensor type or tokeniz
 The header is read by model/gguf_header.py. The scalar metadata, the tensor table and the built
 tokenizer are cached (model/gguf_cache.py): only a file's first load parses its vocabulary; the
 tokenizer is built when asked for (while the KV cache is written). Matrices in a format the CPU
-kernels take are copied once from a memory map into huge pages (K-quants, MXFP4, Q5_0 and Q5_1
-repacked); the rest are de-quantized by the `gguf` package (llama.cpp's own de-quantizers) into the
-engine's dtype.
+kernels take are copied once from a memory map into huge pages (K-quants, MXFP4, Q5_0, Q5_1 and
+Q8_0 repacked); the rest are de-quantized by the `gguf` package (llama.cpp's own de-quantizers)
+into the engine's dtype.
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ class GGUFCheckpoint:
         """Every weight under its Hugging Face name, de-quantized to `dtype` on `device`; with
         keep_blocks, every matrix in a format the CPU kernels take (QUANT_TYPES, F16 and BF16
         too) stays in it, each in its own (a file of mixed formats, llama.cpp's Q4_K_M say, stays
-        mixed), K-quants, MXFP4, Q5_0 and Q5_1 repacked (kernels.quant.repack_at_load). Logs how
-        many matrices of each format were kept and how many de-quantized."""
+        mixed), K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked (kernels.quant.repack_at_load). Logs
+        how many matrices of each format were kept and how many de-quantized."""
         c, weights = self.config, {}
         data = np.memmap(self.path, dtype=np.uint8, mode="r")
         permuted = self.meta["general.architecture"] in PERMUTED
