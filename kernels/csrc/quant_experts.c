@@ -6,7 +6,8 @@
  * matrix, each split over the threads: at decode most of the time went in starting and ending
  * regions and in threads waiting on each other. Here x's rows are quantized once, and one region
  * splits the work, every (expert, weight, chunk of CHUNK columns) in a row, into one contiguous
- * share per thread, so that each thread streams its own experts' weights all the time.
+ * share per thread of equal cost (UNIT_BASE), so that each thread streams its own experts'
+ * weights all the time.
  *
  * Each output is bitwise quant.c's: the same quantized rows and the same kernels, whose results
  * do not depend on the columns or rows they are given with (quant.h). On the VNNI paths a group
@@ -23,6 +24,26 @@
 /* Columns a unit of work: 64 rows of W (72 KiB of a Q4_K row of 2048), several strips, so that the
  * GEMV's prefetch of the next strip stays ahead; a multiple of NS_R16 (an r16 format's groups). */
 enum { CHUNK = 64 };
+
+/* A unit's cost, in rows of x, for the threads' shares: streaming a unit's weights costs about
+ * what 2 rows' dots do (a 2880 x 2880 MXFP4 matrix on one AMD EPYC core: 0.39 ms at 1 row, 0.13
+ * more a row up to 4), so equal numbers of units of a 1-row and a 4-row expert left a thread
+ * waiting. */
+enum { UNIT_BASE = 2 };
+
+/* The first unit of the share that starts `target` into the units' total cost: each group's
+ * `units` units cost UNIT_BASE + its rows each. */
+static Py_ssize_t share_start(const int64_t *groups, Py_ssize_t G, Py_ssize_t units,
+                              Py_ssize_t target) {
+    Py_ssize_t u = 0, cost = 0;
+    for (Py_ssize_t g = 0; g < G; g++) {
+        const Py_ssize_t each = UNIT_BASE + groups[3 * g + 2];
+        if (cost + each * units > target) return u + (target - cost + each - 1) / each;
+        cost += each * units;
+        u += units;
+    }
+    return u;
+}
 
 /* The matmul of one group of rows: rows [start, start + count) of the pairs' activations by the
  * expert's matrix of w (N rows of row_bytes), into rows start.. of out [pairs, N]. The view
@@ -81,8 +102,10 @@ int nanoserve_quant_experts(float *const outs[], Py_ssize_t ldo, const char *con
         free(base_q);
         return -1;
     }
-    const Py_ssize_t chunks = (N + CHUNK - 1) / CHUNK, units = G * nw * chunks;
+    const Py_ssize_t chunks = (N + CHUNK - 1) / CHUNK;
     const Py_ssize_t blocks = K / QK;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t g = 0; g < G; g++) total += (UNIT_BASE + groups[3 * g + 2]) * nw * chunks;
 #pragma omp parallel num_threads(num_threads)
     {
         if (f->float_x && rows) {
@@ -110,11 +133,12 @@ int nanoserve_quant_experts(float *const outs[], Py_ssize_t ldo, const char *con
                        (size_t)blocks * sizeof(int32_t));
             }
         }
-        /* A contiguous range of units per thread: (group, weight, chunk), chunk fastest. */
+        /* A contiguous range of units per thread: (group, weight, chunk), chunk fastest; equal
+         * shares of their cost. */
         const Py_ssize_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const float *xs = f->float_x ? (rows ? xf : x) : NULL;
-        const Py_ssize_t end = units * (t + 1) / nt;
-        for (Py_ssize_t u = units * t / nt; u < end; u++) {
+        const Py_ssize_t end = share_start(groups, G, nw * chunks, total * (t + 1) / nt);
+        for (Py_ssize_t u = share_start(groups, G, nw * chunks, total * t / nt); u < end; u++) {
             const Py_ssize_t g = u / (nw * chunks), i = u / chunks % nw, c = u % chunks;
             ns_xq view;
             ns_qmm a = group_matmul(&xq, &view, xs, ws[i], outs[i], ldo, groups + 3 * g, N, K,
