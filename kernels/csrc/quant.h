@@ -99,8 +99,8 @@ enum ns_path { NS_PORTABLE, NS_AVX2, NS_AVX512, NS_AVX512_VNNI, NS_AMX, NS_NUM_P
 enum ns_ggml_type {
     GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
     GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30, GGML_MXFP4 = 39,
-    /* nanoserve's own: the K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked at load in groups of NS_R16
-     * rows (quant_r16.c) */
+    /* nanoserve's own: the K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked at load in groups of
+     * NS_R16 rows (quant_r16.c) */
     NS_Q4_K_R16, NS_Q5_K_R16, NS_Q6_K_R16, NS_MXFP4_R16, NS_Q5_0_R16, NS_Q5_1_R16, NS_Q8_0_R16,
     NS_NUM_GGML_TYPES
 };

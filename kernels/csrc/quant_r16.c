@@ -7,8 +7,8 @@
  * first, for each 4 bytes u of a block (words = block_bytes / 4 of them, from byte lead =
  * ns_r16_lead), the 16 rows' bytes lead + 4u .. lead + 4u + 3, row after row (64 bytes); then the
  * rows' remaining block_bytes % 4 bytes (2, Q6_K's d; 1, MXFP4's scale e, its first; 2, Q5_0's
- * and Q8_0's d, their first), row after row. A group occupies the bytes its 16 rows did, so that a slice of a
- * matrix's rows on group boundaries (an expert's) is a matrix of the layout too.
+ * and Q8_0's d, their first), row after row. A group occupies the bytes its 16 rows did, so that
+ * a slice of a matrix's rows on group boundaries (an expert's) is a matrix of the layout too.
  *
  * The formats below are the files' (their arithmetic, quant_q4_k.c ...) with that layout; every
  * reader of their bytes knows it: the SIMD kernels, the portable kernel below (a row's blocks

@@ -524,7 +524,7 @@ static NS_KERNEL void q6_k_simd(const ns_qmm *a, Py_ssize_t n0, Py_ssize_t n1) {
     strip_matmul(a, n0, n1, Q6_K_STRIPS);
 }
 
-/* ------------------------------------ the K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked (r16) */
+/* ----------------------------------- the K-quants, MXFP4, Q5_0, Q5_1 and Q8_0 repacked (r16) */
 
 /* The strip formats above with r16 set: the same unpackings, reading W through strip_src's loads. */
 NS_INLINE strip_format repacked(strip_format f) {
