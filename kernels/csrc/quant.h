@@ -85,6 +85,11 @@ typedef struct {
      * for them ahead while it reads that row's strip (quant_experts.c's next matrix), so that the
      * jump to another matrix does not stall on memory; NULL where none follows. */
     const char *then;
+    /* W comes from memory, not a cache (quant_experts.c: each expert's rows once a step): the
+     * rows ahead go into L2 however few they are. Into L1, Qwen3-MoE's 2048 x 768 down
+     * projections in Q6_K streamed 1.35x slower on an AMD EPYC (bench/ab_quant.py, 96 copies),
+     * while SmolLM2's one stream, which reads matrices of the same strips, ran about 3% faster. */
+    int from_memory;
 } ns_qmm;
 
 /* A kernel: out[:, n0:n1] of a matmul. Each out[m, n] is the same operations on row m of x and

@@ -68,7 +68,7 @@ static ns_qmm group_matmul(const ns_xq *xq, ns_xq *view, const float *xf, const 
         view->lo = NULL;
     }
     const ns_qmm a = {out + start * ldo, w + (size_t)expert * (size_t)N * row_bytes, view, count,
-                      N, K, ldo, row_bytes, xf ? xf + start * K : NULL};
+                      N, K, ldo, row_bytes, xf ? xf + start * K : NULL, NULL, 1};
     return a;
 }
 

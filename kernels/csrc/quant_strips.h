@@ -181,8 +181,8 @@ NS_INLINE void unpack_block(strip *s, const ns_qmm *a, Py_ssize_t c0, Py_ssize_t
 
 /* Streaming W (no panel): the rows of the next strips, a share of their lines a block, on their
  * way in while this one computes (none after W's last row): into L1 where they are a small part
- * of it (NS_PREFETCH_L1_BYTES), else into L2, since a strip of long rows (Llama-3.2-1B's 8192 x
- * 2048 in Q6_K: 27 KiB) would push out the one being read. */
+ * of it (NS_PREFETCH_L1_BYTES) and W is not from_memory, else into L2, since a strip of long
+ * rows (Llama-3.2-1B's 8192 x 2048 in Q6_K: 27 KiB) would push out the one being read. */
 typedef struct {
     const char *next;
     Py_ssize_t lines;
@@ -196,7 +196,7 @@ NS_INLINE ahead ahead_of(const ns_qmm *a, Py_ssize_t c0, int nr) {
     const char *next = a->w + (size_t)(rows > 0 ? after : 0) * a->row_bytes;
     if (rows <= 0 && a->then) rows = STRIP_W * nr, next = a->then;
     const Py_ssize_t lines = rows > 0 ? (Py_ssize_t)((size_t)rows * a->row_bytes / 64) : 0;
-    return (ahead){next, lines, lines * 64 <= NS_PREFETCH_L1_BYTES};
+    return (ahead){next, lines, !a->from_memory && lines * 64 <= NS_PREFETCH_L1_BYTES};
 }
 
 /* Block b's share (of nb) of the lines ahead. */
