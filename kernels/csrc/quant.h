@@ -155,8 +155,8 @@ const ns_block_format *ns_block_format_of(int code);
 
 /* quant.c's driver, shared with the experts' matmul (quant_experts.c): the path in use now, its
  * kernel of format f, the activations' buffer for M rows of K values (split into AMX tiles if
- * `split`, into hi and lo bytes if `bytes`; returns the allocation to free, or NULL), and row m of x quantized into it in `order`
- * (the format's pairs, NULL on the portable path). */
+ * `split`, into hi and lo bytes if `bytes`; returns the allocation to free, or NULL), and row m
+ * of x quantized into it in `order` (the format's pairs, NULL on the portable path). */
 int ns_quant_path(void);
 
 /* quant_r16.c: an r16 matrix's row n's block kb copied to dst (its rows of row_bytes, its blocks
