@@ -128,7 +128,7 @@ NS_INLINE void byte_tile(const ns_qmm *a, Py_ssize_t r0, const int mr, Py_ssize_
      * one build differ by at 8 rows there, and keeps the loop over b there. At 1 and 2 rows of
      * at most 3 super-blocks, the unrolled loop ran Qwen3-MoE's 2048 x 768 Q6_K down projections
      * 1.20-1.26x faster streaming (96 copies); the experts' call alone 1.20x (8 tokens). Longer
-     * rows keep the loop over b: unrolled, 2048 x 1536 ran 0.90-1.00x and 8192 x 2048 0.89-1.04x. */
+     * rows keep the loop over b: unrolled, 2048 x 1536 ran 0.90-1.00x, 8192 x 2048 0.89-1.04x. */
     if (!f.halves || (mr <= 2 && nb <= 3 * subs)) {
         for (Py_ssize_t b0 = 0; b0 < nb; b0 += subs) {
             unpack_bytes_block(s, a, c0, b0, last, f);
