@@ -306,6 +306,17 @@ def test_a_row_is_bitwise_the_same_in_any_batch_and_thread_count(isa, qtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("k", [768, 1024])
+def test_q6_k_one_and_two_rows_match_the_gemm_either_side_of_the_unrolled_loop(isa, k):
+    """Q6_K's byte GEMV unrolls its super-blocks at 1 and 2 rows of at most 3 super-blocks
+    (768 values) and keeps the loop over blocks past that: both bitwise the GEMM's rows."""
+    w = _kquant_weight("q6_k", 97, k, seed=k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k))
+    full = kernels.quantized_linear(x, w)
+    for rows in ([5], [7, 31]):
+        assert torch.equal(kernels.quantized_linear(x[rows], w), full[rows]), rows
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_fewer_output_features_than_threads(isa, n):
     w = kernels.quantize(_weight(n, 64, seed=n), "q4_1")
